@@ -1,0 +1,3 @@
+"""Prefect flows: `ppo` (deployment `iterate`)."""
+
+from flows import _env  # noqa: F401  (must precede any prefect import)

@@ -1,0 +1,113 @@
+"""`ppo` command line: train, sql, doctor, ui."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+import ppo_core  # noqa: F401  (loads OpenBLAS before mlx)
+from ppo_core.config import PROJECT_ROOT, ConfigError, load_config, parse_override
+
+app = typer.Typer(help="PPO fine-tuning of language models on MLX, as a Prefect pipeline over Parquet.", no_args_is_help=True)
+
+DEFAULT_ROOT = PROJECT_ROOT / "artifacts"
+
+
+@app.command()
+def train(
+    run: str = typer.Option("default", help="run name; re-using a name resumes/extends that run"),
+    iterations: int = typer.Option(3, min=1, help="iterations to run after the last completed one"),
+    config: Optional[Path] = typer.Option(None, help="TOML or JSON config file"),
+    set_: list[str] = typer.Option([], "--set", help="config override key=value (repeatable)"),
+) -> None:
+    """Run PPO iterations (one Prefect flow run; each phase is a task)."""
+    try:
+        overrides = dict(parse_override(s) for s in set_)
+    except ConfigError as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2)
+    try:
+        load_config(config, {**overrides, "run": run})  # fail fast, before Prefect or a model starts
+    except ConfigError as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2)
+    from flows.ppo import ppo
+
+    summary = ppo(run=run, iterations=iterations, config=str(config) if config else None, overrides=overrides)
+    typer.echo(json.dumps(summary, indent=2))
+
+
+@app.command()
+def sql(
+    query: str = typer.Argument(..., help="SQL over views rollouts, sa_pairs, rewards, values, advantages, metrics, eval"),
+    root: Path = typer.Option(DEFAULT_ROOT, help="artifact root"),
+    fmt: str = typer.Option("table", "--format", help="table | csv | json"),
+) -> None:
+    """Query the experience tables of every run with DuckDB."""
+    import duckdb
+
+    from ppo_core.query import connect
+
+    try:
+        rel = connect(root).sql(query)
+    except duckdb.Error as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2)
+    if rel is None:
+        return
+    if fmt == "table":
+        rel.show(max_width=200, max_rows=100)
+    elif fmt == "csv":
+        rel.pl().write_csv(sys.stdout)
+    elif fmt == "json":
+        typer.echo(rel.pl().write_json())
+    else:
+        typer.secho(f"error: --format must be table, csv or json (got {fmt!r})", fg="red", err=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+def doctor() -> None:
+    """Check the fast BLAS, MLX matmul speed/accuracy and the default model."""
+    from ppo_core.runtime import blas_state, matmul_gflops
+
+    state = blas_state()
+    typer.echo(f"OpenBLAS: {state.library or 'NOT LOADED'} (threads={state.threads})")
+    if state.error:
+        typer.secho(f"  warning: {state.error}", fg="yellow")
+    gflops, err = matmul_gflops()
+    typer.echo(f"MLX float32 matmul 1024^3: {gflops:.1f} GFLOP/s, max |error| vs numpy {err:.2e}")
+    if gflops < 20:
+        typer.secho("  slow: MLX is using the reference BLAS", fg="yellow")
+    from ppo_core.models import ModelError, smollm2_gguf
+
+    try:
+        typer.echo(f"default model: {smollm2_gguf()}")
+    except ModelError as exc:
+        typer.secho(f"default model: {exc}", fg="red")
+
+
+@app.command()
+def ui(
+    root: Path = typer.Option(DEFAULT_ROOT, help="artifact root"),
+    port: int = typer.Option(5000),
+    host: str = typer.Option("127.0.0.1"),
+) -> None:
+    """Start the MLflow UI on the project's tracking store."""
+    import subprocess
+
+    cfg = load_config(overrides={"artifact_root": str(root)})
+    from ppo_core.track import tracking_uri
+
+    subprocess.run(
+        [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(cfg), "--host", host, "--port", str(port)],
+        check=False,
+    )
+
+
+if __name__ == "__main__":
+    app()

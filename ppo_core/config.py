@@ -1,0 +1,180 @@
+"""PPOConfig: the one validated source of every knob.
+
+Validation happens here, before any model is loaded, and every error names the
+field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = "smollm2"
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+class PPOConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    # --- run ---
+    run: str = Field("default", description="run name: letters, digits, '_', '-', '.'")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    artifact_root: Path = Field(PROJECT_ROOT / "artifacts")
+    model: str = Field(DEFAULT_MODEL, description="'smollm2' or a path to an mlx_lm model directory")
+    prompts_path: Path = Field(PROJECT_ROOT / "data" / "prompts.jsonl")
+    eval_prompts_path: Path = Field(PROJECT_ROOT / "data" / "eval_prompts.jsonl")
+
+    # --- rollout ---
+    batch_size: int = Field(32, ge=1, le=4096, description="prompts sampled per iteration")
+    max_new_tokens: int = Field(40, ge=1, le=2048)
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    score_batch_size: int = Field(16, ge=1, le=1024, description="sequences per scoring forward pass")
+
+    # --- reward ---
+    reward: str = Field("vader", description="'vader', 'length', 'keyword:<word>[,<word>...]' or 'model:<path>'")
+    kl_coef: float = Field(0.05, ge=0.0, le=10.0)
+    adaptive_kl: bool = False
+    kl_target: float = Field(4.0, gt=0.0, le=1000.0, description="target mean per-rollout KL (adaptive_kl)")
+    kl_horizon: int = Field(10000, ge=1, le=10**9)
+    missing_eos_penalty: float = Field(-0.2, ge=-100.0, le=0.0, description="added to the score of responses cut at max_new_tokens")
+    length_min: int = Field(8, ge=0, le=2048, description="'length' reward: shortest full-score response (tokens)")
+    length_max: int = Field(24, ge=1, le=2048, description="'length' reward: longest full-score response (tokens)")
+
+    # --- advantage ---
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    whiten_advantages: bool = True
+
+    # --- train ---
+    ppo_epochs: int = Field(4, ge=1, le=100)
+    num_minibatches: int = Field(2, ge=1, le=1024)
+    policy_lr: float = Field(1e-4, gt=0.0, le=1.0)
+    value_lr: float = Field(1e-3, gt=0.0, le=1.0)
+    clip_range: float = Field(0.2, gt=0.0, le=10.0)
+    value_clip_range: float = Field(0.2, gt=0.0, le=1000.0)
+    entropy_coef: float = Field(0.0, ge=0.0, le=1.0)
+    max_grad_norm: float = Field(1.0, gt=0.0, le=1000.0)
+    lora_rank: int = Field(8, ge=1, le=256)
+    lora_alpha: float = Field(16.0, gt=0.0, le=1024.0)
+    lora_targets: tuple[str, ...] = Field(("q_proj", "k_proj", "v_proj", "o_proj"))
+
+    # --- evaluate ---
+    eval_size: int = Field(32, ge=0, le=100000, description="held-out prompts scored per iteration (0 = skip)")
+    eval_max_new_tokens: int = Field(40, ge=1, le=2048)
+    eval_temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy")
+
+    @field_validator("run")
+    @classmethod
+    def _run_name(cls, v: str) -> str:
+        if not _RUN_NAME.match(v) or ".." in v:
+            raise ValueError(
+                "must be 1-100 characters of letters, digits, '_', '-' or '.', start with a letter "
+                "or digit, and contain no path separator or '..'"
+            )
+        return v
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_spec(cls, v: str) -> str:
+        if v in ("vader", "length") or re.match(r"^keyword:\w[\w,]*$", v) or v.startswith("model:"):
+            return v
+        raise ValueError("must be 'vader', 'length', 'keyword:<word>[,<word>...]' or 'model:<path>'")
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _targets(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        allowed = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+        bad = set(v) - allowed
+        if not v or bad:
+            raise ValueError(f"must be a non-empty subset of {sorted(allowed)}; unknown: {sorted(bad)}")
+        return tuple(v)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PPOConfig:
+        if self.num_minibatches > self.batch_size:
+            raise ValueError(
+                f"num_minibatches ({self.num_minibatches}) must be <= batch_size ({self.batch_size})"
+            )
+        if self.length_min > self.length_max:
+            raise ValueError(f"length_min ({self.length_min}) must be <= length_max ({self.length_max})")
+        return self
+
+    # --- derived ---
+    @property
+    def run_dir(self) -> Path:
+        return self.artifact_root / f"run={self.run}"
+
+    def iter_dir(self, iteration: int) -> Path:
+        return self.run_dir / f"iter={iteration:04d}"
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return json.loads(self.model_dump_json())
+
+    def training_hash(self) -> str:
+        """Hash of every field that changes what a run computes (not its name or location)."""
+        d = self.to_json_dict()
+        for k in ("run", "artifact_root"):
+            d.pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        lines.append(f"config field '{field}': {msg} (got {got!r})")
+    return "; ".join(lines)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """'key=value' -> (key, value); the value is read as JSON when it parses, else as text."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value: Any = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | list[str] | None = None,
+) -> PPOConfig:
+    """Build a PPOConfig from an optional TOML/JSON file plus overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            text = p.read_text(encoding="utf-8")
+            data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        except (UnicodeDecodeError, json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {p} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {exc}") from exc
+        data = data.get("ppo", data)
+    if isinstance(overrides, list):
+        overrides = dict(parse_override(o) for o in overrides)
+    data.update(overrides or {})
+    unknown = sorted(set(data) - set(PPOConfig.model_fields))
+    if unknown:
+        raise ConfigError(f"unknown config field(s) {unknown}; known fields: {sorted(PPOConfig.model_fields)}")
+    try:
+        return PPOConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None

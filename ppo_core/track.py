@@ -1,0 +1,102 @@
+"""MLflow tracking: the only module that imports mlflow.
+
+One MLflow run per PPO run (tag ``ppo.run``), re-attached on resume; params are
+the whole config; iteration metrics use step = iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ppo_core.config import PPOConfig
+
+EXPERIMENT = "ppo"
+RUN_TAG = "ppo.run"
+
+
+def tracking_uri(cfg: PPOConfig) -> str:
+    """MLFLOW_TRACKING_URI if set (a server), else an embedded SQLite store under the artifact root."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(cfg.artifact_root / 'mlflow.db').resolve()}"
+
+
+def _mlflow(cfg: PPOConfig):
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    import mlflow
+
+    cfg.artifact_root.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    if mlflow.get_experiment_by_name(EXPERIMENT) is None:
+        mlflow.create_experiment(EXPERIMENT, artifact_location=(cfg.artifact_root / "mlruns").resolve().as_uri())
+    mlflow.set_experiment(EXPERIMENT)
+    return mlflow
+
+
+def _flat_params(cfg: PPOConfig) -> dict[str, str]:
+    return {k: str(v) for k, v in cfg.to_json_dict().items()}
+
+
+def ensure_run(cfg: PPOConfig) -> str:
+    """The MLflow run id of PPO run ``cfg.run``, created on first use."""
+    mlflow = _mlflow(cfg)
+    client = mlflow.MlflowClient()
+    exp = mlflow.get_experiment_by_name(EXPERIMENT)
+    found = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{cfg.run}'", max_results=1)
+    if found:
+        return found[0].info.run_id
+    run = client.create_run(exp.experiment_id, run_name=cfg.run, tags={RUN_TAG: cfg.run})
+    client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, v) for k, v in _flat_params(cfg).items()])
+    return run.info.run_id
+
+
+def log_iteration(
+    cfg: PPOConfig, iteration: int, metrics: dict[str, float], step_rows: list[dict[str, Any]], iter_dir: Path
+) -> None:
+    """Per-iteration metrics at step=iteration; per-optimiser-step metrics at a global step."""
+    mlflow = _mlflow(cfg)
+    from mlflow.entities import Metric
+
+    client = mlflow.MlflowClient()
+    run_id = ensure_run(cfg)
+    logged = client.get_run(run_id).data.tags.get("last_iteration")
+    if logged is not None and int(logged) >= iteration:
+        return  # a resumed run re-finalising an iteration must not duplicate its steps
+    now = int(time.time() * 1000)
+    batch = [Metric(k, float(v), now, iteration) for k, v in metrics.items()]
+    for row in step_rows:
+        gstep = int(row["global_step"])
+        batch += [Metric(f"step/{k}", float(row[k]), now, gstep) for k in ("policy_loss", "value_loss", "approx_kl", "clip_fraction")]
+    for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 entities
+        client.log_batch(run_id, metrics=batch[i : i + 900])
+    client.set_tag(run_id, f"iter.{iteration:04d}.parquet", str(iter_dir.resolve()))
+    client.set_tag(run_id, "last_iteration", str(iteration))
+    ckpt = iter_dir / "checkpoint"
+    for name in ("policy_adapter.safetensors", "value_adapter.safetensors"):
+        if (ckpt / name).is_file():
+            client.log_artifact(run_id, str(ckpt / name), artifact_path=f"adapters/iter={iteration:04d}")
+    if (iter_dir / "eval.parquet").is_file():
+        client.log_artifact(run_id, str(iter_dir / "eval.parquet"), artifact_path=f"samples/iter={iteration:04d}")
+
+
+def set_status(cfg: PPOConfig, status: str, reason: str | None = None) -> None:
+    """status: RUNNING, FINISHED or FAILED (with the reason as a tag)."""
+    mlflow = _mlflow(cfg)
+    client = mlflow.MlflowClient()
+    run_id = ensure_run(cfg)
+    if reason:
+        client.set_tag(run_id, "failure_reason", reason[:5000])
+    if status == "RUNNING":
+        client.update_run(run_id, status="RUNNING")
+    else:
+        client.set_terminated(run_id, status=status)
+
+
+def run_metrics(cfg: PPOConfig) -> dict[str, list[tuple[int, float]]]:
+    """{metric: [(step, value), ...]} of the PPO run (for tests and reports)."""
+    mlflow = _mlflow(cfg)
+    client = mlflow.MlflowClient()
+    run = client.get_run(ensure_run(cfg))
+    return {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] for k in run.data.metrics}
