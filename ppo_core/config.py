@@ -68,6 +68,11 @@ class PPOConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0.0, le=1000.0)
     lora_rank: int = Field(8, ge=1, le=256)
     lora_alpha: float = Field(16.0, gt=0.0, le=1024.0)
+    lora_layers: int = Field(
+        8, ge=1, le=1000,
+        description="adapters on the last N transformer layers; the layers below are frozen, so their "
+        "activations are computed once per batch and shared by policy, reference and value",
+    )
     lora_targets: tuple[str, ...] = Field(("q_proj", "k_proj", "v_proj", "o_proj"))
 
     # --- evaluate ---
@@ -167,6 +172,8 @@ def load_config(
             data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"config file {p} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a table/object of config fields")
         data = data.get("ppo", data)
     if isinstance(overrides, list):
         overrides = dict(parse_override(o) for o in overrides)

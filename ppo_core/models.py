@@ -12,7 +12,7 @@ import importlib.metadata
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -121,9 +121,11 @@ class MultiLoRALinear(nn.Module):
         return y + self.scale * ((x @ ad["a"]) @ ad["b"])
 
 
-def _inject_lora(model: nn.Module, targets: tuple[str, ...], rank: int, alpha: float, switch: AdapterSwitch) -> int:
+def _inject_lora(
+    model: nn.Module, first_layer: int, targets: tuple[str, ...], rank: int, alpha: float, switch: AdapterSwitch
+) -> int:
     count = 0
-    for layer in model.layers:
+    for layer in model.layers[first_layer:]:
         for parent_name in ("self_attn", "mlp"):
             parent = getattr(layer, parent_name, None)
             if parent is None:
@@ -150,15 +152,42 @@ class PolicyValueModel:
     value_head: nn.Linear
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
-    _initial: dict[str, dict[str, mx.array]] = field(default_factory=dict)
+    n_frozen: int  # layers below the first adapter: identical for policy, reference and value
 
     @property
     def backbone(self) -> nn.Module:
         return self.lm.model
 
     def hidden(self, tokens: mx.array, adapter: str | None, cache: Any = None) -> mx.array:
+        """Final normed hidden states (the full stack; used with a KV cache for sampling)."""
         self.switch.active = adapter
         return self.backbone(tokens, cache=cache)
+
+    def _masks(self, h: mx.array, layers: list[nn.Module]) -> list[Any]:
+        from mlx_lm.models.base import create_attention_mask
+
+        window = getattr(self.backbone, "sliding_window", None)
+        return [
+            create_attention_mask(h, None, window_size=window if getattr(layer, "use_sliding", False) else None)
+            for layer in layers
+        ]
+
+    def trunk(self, tokens: mx.array) -> mx.array:
+        """Activations after the frozen layers: computed once, shared by every adapter."""
+        h = self.backbone.embed_tokens(tokens)
+        layers = self.backbone.layers[: self.n_frozen]
+        for layer, mask in zip(layers, self._masks(h, layers)):
+            h = layer(h, mask, cache=None)
+        return mx.stop_gradient(h)
+
+    def top(self, trunk: mx.array, adapter: str | None) -> mx.array:
+        """Final normed hidden states from trunk activations, through the adapted layers."""
+        self.switch.active = adapter
+        h = trunk
+        layers = self.backbone.layers[self.n_frozen :]
+        for layer, mask in zip(layers, self._masks(h, layers)):
+            h = layer(h, mask, cache=None)
+        return self.backbone.norm(h)
 
     def logits_from_hidden(self, h: mx.array) -> mx.array:
         if getattr(self.lm.args, "tie_word_embeddings", True) and not hasattr(self.lm, "lm_head"):
@@ -218,13 +247,13 @@ def initial_parameters(like: dict[str, mx.array], seed: int, adapter: str) -> di
     return out
 
 
-_CACHE: dict[tuple[str, tuple[str, ...], int, float], PolicyValueModel] = {}
+_CACHE: dict[tuple[Any, ...], PolicyValueModel] = {}
 
 
 def load_policy_value_model(cfg: PPOConfig) -> PolicyValueModel:
     """Load (once per process) the base model with adapters for ``cfg``."""
     model_dir = resolve_model_dir(cfg.model, cfg.artifact_root)
-    key = (str(model_dir.resolve()), cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha)
+    key = (str(model_dir.resolve()), cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_layers)
     if key in _CACHE:
         return _CACHE[key]
     from mlx_lm.utils import load as mlx_lm_load
@@ -237,13 +266,14 @@ def load_policy_value_model(cfg: PPOConfig) -> PolicyValueModel:
     lm.set_dtype(mx.float32)
     lm.freeze()
     switch = AdapterSwitch()
-    if _inject_lora(lm.model, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, switch) == 0:
+    n_frozen = max(0, len(lm.model.layers) - cfg.lora_layers)
+    if _inject_lora(lm.model, n_frozen, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, switch) == 0:
         raise ModelError(f"no Linear layers named {cfg.lora_targets} in {model_dir}")
     hidden = lm.model.embed_tokens.weight.shape[1]
     head = nn.Linear(hidden, 1)
     eos = tuple(sorted(tokenizer.eos_token_ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    model = PolicyValueModel(lm, tokenizer, model_dir, switch, head, eos, pad)
+    model = PolicyValueModel(lm, tokenizer, model_dir, switch, head, eos, pad, n_frozen)
     mx.eval(lm.parameters(), head.parameters())
     _CACHE[key] = model
     return model

@@ -249,8 +249,7 @@ def attribute(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: P
         model = model_for(cfg, checkpoint, (POLICY,))
         p_ids, r_ids = _lists(ro, "prompt_token_ids"), _lists(ro, "response_token_ids")
         kw = {"temperature": cfg.temperature, "batch_size": cfg.score_batch_size}
-        logprob, entropy = score_logprobs(model, p_ids, r_ids, adapter=POLICY, **kw)
-        ref_logprob, _ = score_logprobs(model, p_ids, r_ids, adapter=None, **kw)
+        (logprob, entropy), (ref_logprob, _) = score_logprobs(model, p_ids, r_ids, adapters=(POLICY, None), **kw)
         frame = _token_frame(ro)
         frame = frame.with_columns(
             token=_token_texts(model, frame["token_id"]),

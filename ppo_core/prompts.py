@@ -23,16 +23,23 @@ def load_prompts(path: Path) -> pl.DataFrame:
         raise PromptsError(f"prompts file {path} is not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start+1]!r})") from None
     if not text.strip():
         raise PromptsError(f"prompts file {path} is empty")
+    text = text.removeprefix("\ufeff")
     if path.suffix == ".jsonl":
         try:
-            df = pl.read_ndjson(raw)
+            df = pl.read_ndjson(text.encode(), infer_schema_length=None)
         except Exception as exc:
             raise PromptsError(f"prompts file {path} is not valid JSONL: {exc}") from None
         if "prompt" not in df.columns:
             raise PromptsError(f"prompts file {path}: every line needs a 'prompt' field")
+        if df.schema["prompt"] not in (pl.String, pl.Null):
+            raise PromptsError(f"prompts file {path}: 'prompt' must be text (found {df.schema['prompt']})")
         if "prompt_id" not in df.columns:
-            df = df.with_row_index("prompt_id").with_columns(pl.col("prompt_id").cast(pl.String))
-        df = df.select(pl.col("prompt_id").cast(pl.String), pl.col("prompt").cast(pl.String))
+            df = df.with_columns(pl.lit(None, dtype=pl.String).alias("prompt_id"))
+        # lines without an id get their line number
+        df = df.with_row_index("line").select(
+            pl.coalesce(pl.col("prompt_id").cast(pl.String), pl.col("line").cast(pl.String)).alias("prompt_id"),
+            pl.col("prompt"),
+        )
     else:
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         df = pl.DataFrame({"prompt_id": [str(i) for i in range(len(lines))], "prompt": lines})

@@ -46,25 +46,29 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
     return Batch(mx.array(tokens), mx.array(positions), mx.array(targets), mx.array(mask))
 
 
-def response_hidden(model: PolicyValueModel, batch: Batch, adapter: str | None) -> mx.array:
-    """(B, T, H) hidden states of the states that precede each response token."""
-    h = model.hidden(batch.tokens, adapter)
+def response_hidden(model: PolicyValueModel, batch: Batch, adapter: str | None, trunk: mx.array | None = None) -> mx.array:
+    """(B, T, H) hidden states of the states that precede each response token.
+
+    ``trunk`` (from ``model.trunk(batch.tokens)``) lets several adapters share
+    one pass through the frozen lower layers.
+    """
+    h = model.top(model.trunk(batch.tokens) if trunk is None else trunk, adapter)
     return mx.take_along_axis(h, batch.positions[..., None], axis=1)
 
 
 def token_logprobs(
-    model: PolicyValueModel, batch: Batch, adapter: str | None, temperature: float
+    model: PolicyValueModel, batch: Batch, adapter: str | None, temperature: float, trunk: mx.array | None = None
 ) -> tuple[mx.array, mx.array]:
     """(logprob of each response token, entropy of each step's distribution), both (B, T)."""
-    logits = model.logits_from_hidden(response_hidden(model, batch, adapter)) / temperature
+    logits = model.logits_from_hidden(response_hidden(model, batch, adapter, trunk)) / temperature
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     chosen = mx.take_along_axis(logp, batch.targets[..., None], axis=-1)[..., 0]
     entropy = -(mx.exp(logp) * logp).sum(axis=-1)
     return chosen, entropy
 
 
-def token_values(model: PolicyValueModel, batch: Batch, adapter: str | None = "value") -> mx.array:
-    return model.value_from_hidden(response_hidden(model, batch, adapter))
+def token_values(model: PolicyValueModel, batch: Batch, adapter: str | None = "value", trunk: mx.array | None = None) -> mx.array:
+    return model.value_from_hidden(response_hidden(model, batch, adapter, trunk))
 
 
 def _chunks(n: int, size: int) -> list[slice]:
@@ -82,20 +86,22 @@ def score_logprobs(
     prompt_ids: list[list[int]],
     response_ids: list[list[int]],
     *,
-    adapter: str | None,
+    adapters: tuple[str | None, ...],
     temperature: float,
     batch_size: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Flat per-token (logprob, entropy) for every response token, rollout-major."""
-    lps, ents = [], []
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Flat per-token (logprob, entropy), rollout-major, for each adapter (None = reference)."""
+    out: list[tuple[list[np.ndarray], list[np.ndarray]]] = [([], []) for _ in adapters]
     for sl in _chunks(len(prompt_ids), batch_size):
         b = make_batch(prompt_ids[sl], response_ids[sl], model.pad_token_id)
-        lp, ent = token_logprobs(model, b, adapter, temperature)
-        mx.eval(lp, ent)
+        trunk = model.trunk(b.tokens)
         lens = [len(r) for r in response_ids[sl]]
-        lps.append(_ragged(np.array(lp), lens))
-        ents.append(_ragged(np.array(ent), lens))
-    return np.concatenate(lps), np.concatenate(ents)
+        for (lps, ents), adapter in zip(out, adapters):
+            lp, ent = token_logprobs(model, b, adapter, temperature, trunk)
+            mx.eval(lp, ent)
+            lps.append(_ragged(np.array(lp), lens))
+            ents.append(_ragged(np.array(ent), lens))
+    return [(np.concatenate(lps), np.concatenate(ents)) for lps, ents in out]
 
 
 def score_values(

@@ -18,6 +18,9 @@ from ppo_core.score import make_batch, token_logprobs, token_values
 from ppo_core.tables import atomic_path
 
 
+TRUNK_CHUNK = 16  # rows per pass when precomputing frozen-layer activations
+
+
 class TrainingError(RuntimeError):
     """Training diverged (non-finite loss or gradient); the checkpoint was not advanced."""
 
@@ -106,15 +109,25 @@ def ppo_update(
     def rows(idx: np.ndarray, flat: np.ndarray) -> np.ndarray:
         return np.concatenate([flat[starts[i] : starts[i + 1]] for i in idx])
 
-    def policy_objective(params, batch, old_lp, adv):
+    # The frozen lower layers see the same tokens in every epoch and for both
+    # adapters: run them once for the whole batch, then train only the top.
+    full = make_batch(data.prompt_ids, data.response_ids, model.pad_token_id)
+    trunks = []
+    for lo in range(0, n, TRUNK_CHUNK):
+        t = model.trunk(full.tokens[lo : lo + TRUNK_CHUNK])
+        mx.eval(t)
+        trunks.append(t)
+    trunk_all = mx.concatenate(trunks, axis=0)
+
+    def policy_objective(params, batch, trunk, old_lp, adv):
         model.assign(_dot(params))
-        lp, ent = token_logprobs(model, batch, POLICY, settings.temperature)
+        lp, ent = token_logprobs(model, batch, POLICY, settings.temperature, trunk)
         loss, stats = policy_loss(lp, old_lp, adv, batch.mask, settings.clip_range, ent, settings.entropy_coef)
         return loss, stats
 
-    def value_objective(params, batch, old_v, ret):
+    def value_objective(params, batch, trunk, old_v, ret):
         model.assign(_dot(params))
-        v = token_values(model, batch, VALUE)
+        v = token_values(model, batch, VALUE, trunk)
         return value_loss(v, old_v, ret, batch.mask, settings.value_clip_range)
 
     policy_vg = mx.value_and_grad(policy_objective)
@@ -127,10 +140,11 @@ def ppo_update(
             idx = np.sort(idx)
             lens = data.lengths[idx]
             batch = make_batch([data.prompt_ids[i] for i in idx], [data.response_ids[i] for i in idx], model.pad_token_id)
+            trunk = trunk_all[mx.array(idx)][:, : batch.tokens.shape[1]]
             where = f"epoch {epoch} minibatch {mb}"
 
             (_, p_stats), p_grads = policy_vg(
-                params[POLICY], batch, _grid(rows(idx, data.old_logprob), lens), _grid(rows(idx, data.advantage), lens)
+                params[POLICY], batch, trunk, _grid(rows(idx, data.old_logprob), lens), _grid(rows(idx, data.advantage), lens)
             )
             p_grads, p_norm = optim.clip_grad_norm(p_grads, settings.max_grad_norm)
             mx.eval(p_stats, p_norm)
@@ -139,7 +153,7 @@ def ppo_update(
             params[POLICY] = optimizers[POLICY].apply_gradients(p_grads, params[POLICY])
 
             (_, v_stats), v_grads = value_vg(
-                params[VALUE], batch, _grid(rows(idx, data.old_value), lens), _grid(rows(idx, data.returns), lens)
+                params[VALUE], batch, trunk, _grid(rows(idx, data.old_value), lens), _grid(rows(idx, data.returns), lens)
             )
             v_grads, v_norm = optim.clip_grad_norm(v_grads, settings.max_grad_norm)
             mx.eval(v_stats, v_norm)

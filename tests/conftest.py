@@ -1,0 +1,44 @@
+"""Shared fixtures: a tiny random llama (fast) and config factories."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import ppo_core  # noqa: F401  (OpenBLAS before mlx)
+from ppo_core.config import PPOConfig
+from ppo_core.tiny import make_tiny_model
+
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model") / "tiny")
+
+
+@pytest.fixture
+def tiny_cfg(tiny_model_dir, tmp_path):
+    """A PPOConfig factory on the tiny model with a fresh artifact root."""
+
+    def make(**overrides) -> PPOConfig:
+        base = dict(
+            model=str(tiny_model_dir),
+            artifact_root=tmp_path / "artifacts",
+            batch_size=6,
+            max_new_tokens=8,
+            score_batch_size=4,
+            ppo_epochs=2,
+            num_minibatches=2,
+            eval_size=4,
+            eval_max_new_tokens=6,
+            lora_layers=1,  # the tiny model has 2 layers: one frozen trunk layer, one adapted
+        )
+        base.update(overrides)
+        return PPOConfig(**base)
+
+    return make

@@ -1,0 +1,73 @@
+"""The `ppo` Prefect flow end to end on the tiny model: tasks, resume, MLflow, SQL CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from flows.cli import app
+from flows.ppo import ppo
+from ppo_core import track
+from ppo_core.config import ConfigError, load_config
+from ppo_core.runs import completed_iterations
+
+
+def _overrides(cfg) -> dict:
+    keep = ("model", "artifact_root", "batch_size", "max_new_tokens", "score_batch_size", "ppo_epochs",
+            "num_minibatches", "eval_size", "eval_max_new_tokens")
+    return {k: str(v) if k in ("model", "artifact_root") else v for k, v in cfg.to_json_dict().items() if k in keep}
+
+
+@pytest.fixture
+def flow_overrides(tiny_cfg):
+    return _overrides(tiny_cfg())
+
+
+def test_flow_runs_resumes_and_tracks(flow_overrides, tmp_path):
+    summary = ppo(run="flowtest", iterations=2, overrides=flow_overrides)
+    assert sorted(summary["iterations"]) == [1, 2]
+    cfg = load_config(overrides={**flow_overrides, "run": "flowtest"})
+    assert completed_iterations(cfg) == [0, 1, 2]
+
+    # MLflow: one run, per-iteration metrics at step = iteration, FINISHED
+    history = track.run_metrics(cfg)
+    assert [s for s, _ in history["reward/score"]] == [1, 2]
+    assert [s for s, _ in history["evaluate/eval_score"]] == [0, 1, 2]
+    steps = [s for s, _ in history["step/policy_loss"]]
+    assert steps == sorted(set(steps)) and len(steps) == 2 * cfg.ppo_epochs * cfg.num_minibatches
+
+    # running again extends the run by one iteration; the MLflow run is re-attached, not duplicated
+    ppo(run="flowtest", iterations=1, overrides=flow_overrides)
+    assert completed_iterations(cfg) == [0, 1, 2, 3]
+    import mlflow
+
+    mlflow.set_tracking_uri(track.tracking_uri(cfg))
+    runs = mlflow.search_runs(experiment_names=[track.EXPERIMENT], output_format="list")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    history = track.run_metrics(cfg)
+    assert [s for s, _ in history["reward/score"]] == [1, 2, 3]
+    manifest = json.loads((cfg.iter_dir(3) / "manifest.json").read_text())
+    assert manifest["phases"]["rollout"]["cached"] is False
+
+    # `ppo sql` answers over the artifact root
+    result = CliRunner().invoke(
+        app, ["sql", "select iter, count(*) as n from advantages group by 1 order by 1", "--root", str(cfg.artifact_root), "--format", "json"]
+    )
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert [r["iter"] for r in rows] == [1, 2, 3] and all(r["n"] > 0 for r in rows)
+
+
+def test_changed_config_is_refused_for_an_existing_run(flow_overrides):
+    ppo(run="pinned", iterations=1, overrides=flow_overrides)
+    with pytest.raises(ConfigError, match=r"different config \(changed: kl_coef"):
+        ppo(run="pinned", iterations=1, overrides={**flow_overrides, "kl_coef": 0.5})
+
+
+def test_cli_rejects_bad_config_before_anything_runs(tmp_path):
+    result = CliRunner().invoke(app, ["train", "--run", "x", "--set", "gamma=2", "--set", f"artifact_root={tmp_path}"])
+    assert result.exit_code == 2
+    assert "gamma" in result.output and "less than or equal to 1" in result.output
+    assert not any(tmp_path.iterdir())
