@@ -24,8 +24,8 @@ def policy_loss(
     unclipped = -advantage * ratio
     clipped = -advantage * mx.clip(ratio, 1.0 - clip_range, 1.0 + clip_range)
     pg = masked_mean(mx.maximum(unclipped, clipped), mask)
-    ent = masked_mean(entropy, mask) if entropy is not None else mx.array(0.0)
-    loss = pg - entropy_coef * ent
+    ent = masked_mean(entropy, mask) if entropy is not None else mx.array(float("nan"))
+    loss = pg - entropy_coef * ent if entropy is not None else pg
     stats = {
         "policy_loss": pg,
         "entropy": ent,

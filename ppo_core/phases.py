@@ -249,7 +249,9 @@ def attribute(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: P
         model = model_for(cfg, checkpoint, (POLICY,))
         p_ids, r_ids = _lists(ro, "prompt_token_ids"), _lists(ro, "response_token_ids")
         kw = {"temperature": cfg.temperature, "batch_size": cfg.score_batch_size}
-        (logprob, entropy), (ref_logprob, _) = score_logprobs(model, p_ids, r_ids, adapters=(POLICY, None), **kw)
+        (logprob, entropy), (ref_logprob, _) = score_logprobs(
+            model, p_ids, r_ids, adapters=(POLICY, None), entropy=(True, False), **kw
+        )
         frame = _token_frame(ro)
         frame = frame.with_columns(
             token=_token_texts(model, frame["token_id"]),
@@ -395,7 +397,8 @@ def train(
         metrics = pl.DataFrame(rows)
         paths["metrics"] = write_table(out_dir, "metrics", metrics.to_arrow())
         last_epoch = metrics.filter(pl.col("epoch") == metrics["epoch"].max())
-        stats = {k: float(last_epoch[k].mean()) for k in ("policy_loss", "value_loss", "approx_kl", "clip_fraction", "entropy")}
+        keys = ["policy_loss", "value_loss", "approx_kl", "clip_fraction"] + (["entropy"] if cfg.entropy_coef > 0 else [])
+        stats = {k: float(last_epoch[k].mean()) for k in keys}
         stats["tokens"] = float(len(data.old_logprob) * cfg.ppo_epochs)
         stats["optimizer_steps"] = float(metrics.height)
         return paths, stats

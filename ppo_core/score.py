@@ -57,13 +57,24 @@ def response_hidden(model: PolicyValueModel, batch: Batch, adapter: str | None, 
 
 
 def token_logprobs(
-    model: PolicyValueModel, batch: Batch, adapter: str | None, temperature: float, trunk: mx.array | None = None
-) -> tuple[mx.array, mx.array]:
-    """(logprob of each response token, entropy of each step's distribution), both (B, T)."""
+    model: PolicyValueModel,
+    batch: Batch,
+    adapter: str | None,
+    temperature: float,
+    trunk: mx.array | None = None,
+    with_entropy: bool = True,
+) -> tuple[mx.array, mx.array | None]:
+    """(logprob of each response token, entropy of each step's distribution or None), (B, T).
+
+    Work over the vocabulary dominates the cost of the top layers on CPU, so
+    entropy (one more full-vocabulary pass) is computed only when asked for.
+    """
     logits = model.logits_from_hidden(response_hidden(model, batch, adapter, trunk)) / temperature
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(logp, batch.targets[..., None], axis=-1)[..., 0]
-    entropy = -(mx.exp(logp) * logp).sum(axis=-1)
+    lse = mx.logsumexp(logits, axis=-1)
+    chosen = mx.take_along_axis(logits, batch.targets[..., None], axis=-1)[..., 0] - lse
+    if not with_entropy:
+        return chosen, None
+    entropy = lse - (mx.softmax(logits, axis=-1) * logits).sum(axis=-1)
     return chosen, entropy
 
 
@@ -89,19 +100,25 @@ def score_logprobs(
     adapters: tuple[str | None, ...],
     temperature: float,
     batch_size: int,
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Flat per-token (logprob, entropy), rollout-major, for each adapter (None = reference)."""
+    entropy: tuple[bool, ...] | None = None,
+) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """Flat per-token (logprob, entropy or None), rollout-major, per adapter (None = reference).
+
+    All adapters share one pass through the frozen trunk per chunk.
+    """
+    entropy = entropy or (True,) * len(adapters)
     out: list[tuple[list[np.ndarray], list[np.ndarray]]] = [([], []) for _ in adapters]
     for sl in _chunks(len(prompt_ids), batch_size):
         b = make_batch(prompt_ids[sl], response_ids[sl], model.pad_token_id)
         trunk = model.trunk(b.tokens)
         lens = [len(r) for r in response_ids[sl]]
-        for (lps, ents), adapter in zip(out, adapters):
-            lp, ent = token_logprobs(model, b, adapter, temperature, trunk)
-            mx.eval(lp, ent)
+        for (lps, ents), adapter, with_ent in zip(out, adapters, entropy):
+            lp, ent = token_logprobs(model, b, adapter, temperature, trunk, with_ent)
+            mx.eval(lp, ent) if with_ent else mx.eval(lp)
             lps.append(_ragged(np.array(lp), lens))
-            ents.append(_ragged(np.array(ent), lens))
-    return [(np.concatenate(lps), np.concatenate(ents)) for lps, ents in out]
+            if with_ent:
+                ents.append(_ragged(np.array(ent), lens))
+    return [(np.concatenate(lps), np.concatenate(ents) if ents else None) for lps, ents in out]
 
 
 def score_values(

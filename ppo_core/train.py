@@ -121,7 +121,8 @@ def ppo_update(
 
     def policy_objective(params, batch, trunk, old_lp, adv):
         model.assign(_dot(params))
-        lp, ent = token_logprobs(model, batch, POLICY, settings.temperature, trunk)
+        # entropy is a training signal only with a bonus; attribute reports it otherwise
+        lp, ent = token_logprobs(model, batch, POLICY, settings.temperature, trunk, settings.entropy_coef > 0)
         loss, stats = policy_loss(lp, old_lp, adv, batch.mask, settings.clip_range, ent, settings.entropy_coef)
         return loss, stats
 
