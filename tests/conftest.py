@@ -42,3 +42,12 @@ def tiny_cfg(tiny_model_dir, tmp_path):
         return PPOConfig(**base)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A temporary Prefect API server for the whole session, stopped cleanly at the end."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

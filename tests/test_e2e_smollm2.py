@@ -62,6 +62,7 @@ def test_tokenizer_round_trips_and_uses_the_chat_template(smollm2):
     assert tok.convert_ids_to_tokens(list(smollm2.eos_token_ids)) == ["<|im_end|>"]
 
 
+@pytest.mark.usefixtures("prefect_server")
 def test_one_iteration_of_the_flow_on_smollm2(tmp_path):
     from flows.ppo import ppo
     from ppo_core import track

@@ -25,6 +25,9 @@ def flow_overrides(tiny_cfg):
     return _overrides(tiny_cfg())
 
 
+pytestmark = pytest.mark.usefixtures("prefect_server")
+
+
 def test_flow_runs_resumes_and_tracks(flow_overrides, tmp_path):
     summary = ppo(run="flowtest", iterations=2, overrides=flow_overrides)
     assert sorted(summary["iterations"]) == [1, 2]
