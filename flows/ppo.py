@@ -13,37 +13,9 @@ from flows import _env  # noqa: F401
 import ppo_core  # noqa: F401  (loads OpenBLAS before mlx)
 from prefect import flow, get_run_logger
 
-from ppo_core import runs, track
+from ppo_core import pipeline, runs, track
 from ppo_core.config import PPOConfig, load_config
-from ppo_core.phases import checkpoint_dir
-from tasks.phases import (
-    advantage_task,
-    attribute_task,
-    evaluate_task,
-    init_task,
-    reward_task,
-    rollout_task,
-    train_task,
-    value_task,
-    run_task,
-)
-
-
-def run_iteration(cfg: PPOConfig, iteration: int) -> list[dict[str, Any]]:
-    c = cfg.to_json_dict()
-    prev = str(checkpoint_dir(cfg, iteration - 1))
-    ro = run_task(rollout_task, c, iteration, prev)
-    sa = run_task(attribute_task, c, iteration, ro["outputs"]["rollouts"], prev)
-    rw = run_task(reward_task, c, iteration, ro["outputs"]["rollouts"], sa["outputs"]["sa_pairs"])
-    va = run_task(value_task, c, iteration, ro["outputs"]["rollouts"], prev)
-    ad = run_task(advantage_task, c, iteration, rw["outputs"]["rewards"], va["outputs"]["values"])
-    tr = run_task(train_task, 
-        c, iteration, ro["outputs"]["rollouts"], sa["outputs"]["sa_pairs"], ad["outputs"]["advantages"], prev
-    )
-    results = [ro, sa, rw, va, ad, tr]
-    if cfg.eval_size:
-        results.append(run_task(evaluate_task, c, iteration, str(checkpoint_dir(cfg, iteration))))
-    return results
+from tasks.phases import task_call
 
 
 @flow(name="ppo", log_prints=True, validate_parameters=True)
@@ -57,7 +29,6 @@ def ppo(
 
     ``config`` is a TOML/JSON file; ``overrides`` maps config fields to values.
     """
-    log = get_run_logger()
     if iterations < 1:
         raise ValueError(f"parameter 'iterations' must be >= 1 (got {iterations})")
     cfg = load_config(config, {**(overrides or {}), "run": run})
@@ -67,7 +38,7 @@ def ppo(
         track.ensure_run(cfg)
         track.set_status(cfg, "RUNNING")
         try:
-            summary = _iterate(cfg, iterations, log)
+            summary = _iterate(cfg, iterations)
         except BaseException as exc:
             track.set_status(cfg, "FAILED", f"{type(exc).__name__}: {exc}")
             raise
@@ -75,19 +46,14 @@ def ppo(
     return summary
 
 
-def _iterate(cfg: PPOConfig, iterations: int, log) -> dict[str, Any]:
-    c = cfg.to_json_dict()
-    init = run_task(init_task, c)
-    if cfg.eval_size and 0 not in runs.completed_iterations(cfg):
-        # iteration 0 = the untrained policy: the baseline of every learning curve
-        base = run_task(evaluate_task, c, 0, str(checkpoint_dir(cfg, 0)))
-        runs.write_manifest(cfg, 0, [init, base])
-        track.log_iteration(cfg, 0, runs.iteration_metrics([base]), [], cfg.iter_dir(0))
-    start = runs.next_iteration(cfg)
+def _iterate(cfg: PPOConfig, iterations: int) -> dict[str, Any]:
+    log = get_run_logger()
+    baseline = pipeline.start(cfg, task_call)
+    track.log_iteration(cfg, 0, runs.iteration_metrics(baseline), [], cfg.iter_dir(0))
+    first = runs.next_iteration(cfg)
     done: dict[int, dict[str, float]] = {}
-    for iteration in range(start, start + iterations):
-        results = run_iteration(cfg, iteration)
-        runs.write_manifest(cfg, iteration, results)
+    for iteration in range(first, first + iterations):
+        results = pipeline.run_iteration(cfg, iteration, task_call)
         metrics = runs.iteration_metrics(results)
         track.log_iteration(cfg, iteration, metrics, runs.step_rows(cfg, iteration), cfg.iter_dir(iteration))
         done[iteration] = metrics

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
+from ppo_core.faults import failpoint
 from ppo_core.models import PolicyValueModel
 
 
@@ -90,6 +91,7 @@ def generate(
         out_tokens.append(np.array(nxt))
         out_lp.append(np.array(tok_lp))
         done_at[np.array(is_eos)] = step
+        failpoint("generate.step")
         if bool(finished.all()):
             break
         x = nxt[:, None]

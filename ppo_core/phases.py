@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from ppo_core.advantage import gae
 from ppo_core.config import PPOConfig
+from ppo_core.faults import failpoint
 from ppo_core.models import ADAPTERS, POLICY, VALUE, PolicyValueModel, load_policy_value_model
 from ppo_core.prompts import check_prompt_lengths, load_prompts
 from ppo_core.rewards import adaptive_kl_coef, make_reward, score_responses, shape_rewards
@@ -136,6 +137,7 @@ def run_phase(
     hashes = {n: sha256_file(Path(p)) for n, p in outputs.items()}
     record = {"key": key, "outputs": out, "hashes": hashes, "seconds": seconds, "stats": stats}
     atomic_write_text(_record_path(cfg, iteration, phase), json.dumps(record, indent=2, sort_keys=True))
+    failpoint("phase.done")
     return PhaseResult(phase, iteration, out, hashes, False, seconds, stats)
 
 
@@ -199,7 +201,8 @@ def init_checkpoint(cfg: PPOConfig) -> PhaseResult:
     return run_phase(cfg, 0, "init", {}, compute)
 
 
-def rollout(cfg: PPOConfig, iteration: int, checkpoint: Path) -> PhaseResult:
+def rollout(cfg: PPOConfig, iteration: int, checkpoint: Path | str) -> PhaseResult:
+    checkpoint = Path(checkpoint)
     inputs = {"policy_adapter": checkpoint / "policy_adapter.safetensors", "prompts": cfg.prompts_path}
 
     def compute():
@@ -240,6 +243,7 @@ def rollout(cfg: PPOConfig, iteration: int, checkpoint: Path) -> PhaseResult:
 
 def attribute(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: Path) -> PhaseResult:
     """Per-token policy and reference logprobs, KL and entropy (one forward per model)."""
+    rollouts_path, checkpoint = Path(rollouts_path), Path(checkpoint)
     inputs = {"rollouts": rollouts_path, "policy_adapter": checkpoint / "policy_adapter.safetensors"}
 
     def compute():
@@ -280,6 +284,7 @@ def _kl_coef_for(cfg: PPOConfig, iteration: int) -> float:
 
 def reward(cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: Path) -> PhaseResult:
     """Score each response, then shape per token: -kl_coef*KL_t, plus the score at the last token."""
+    rollouts_path, sa_pairs_path = Path(rollouts_path), Path(sa_pairs_path)
     inputs = {"rollouts": rollouts_path, "sa_pairs": sa_pairs_path}
     if cfg.adaptive_kl and iteration > 1:
         inputs["previous_rewards"] = table_path(cfg.iter_dir(iteration - 1), "rewards")
@@ -313,6 +318,7 @@ def reward(cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: P
 
 
 def value(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: Path) -> PhaseResult:
+    rollouts_path, checkpoint = Path(rollouts_path), Path(checkpoint)
     inputs = {"rollouts": rollouts_path, "value_adapter": checkpoint / "value_adapter.safetensors"}
 
     def compute():
@@ -329,6 +335,7 @@ def value(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: Path)
 
 
 def advantage(cfg: PPOConfig, iteration: int, rewards_path: Path, values_path: Path) -> PhaseResult:
+    rewards_path, values_path = Path(rewards_path), Path(values_path)
     inputs = {"rewards": rewards_path, "values": values_path}
 
     def compute():
@@ -357,6 +364,8 @@ def train(
     cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: Path, advantages_path: Path, checkpoint: Path
 ) -> PhaseResult:
     """PPO epochs over the joined tables; writes iter=N/checkpoint and metrics.parquet."""
+    rollouts_path, sa_pairs_path, advantages_path = Path(rollouts_path), Path(sa_pairs_path), Path(advantages_path)
+    checkpoint = Path(checkpoint)
     prev = checkpoint_paths(checkpoint)
     inputs = {"rollouts": rollouts_path, "sa_pairs": sa_pairs_path, "advantages": advantages_path}
     inputs.update({k: p for k, p in prev.items() if k.endswith("_adapter") or p.is_file()})
@@ -408,6 +417,7 @@ def train(
 
 def evaluate(cfg: PPOConfig, iteration: int, checkpoint: Path) -> PhaseResult:
     """Score the policy of ``checkpoint`` on the held-out eval prompts."""
+    checkpoint = Path(checkpoint)
     inputs = {"policy_adapter": checkpoint / "policy_adapter.safetensors", "eval_prompts": cfg.eval_prompts_path}
 
     def compute():

@@ -121,6 +121,10 @@ def write_manifest(cfg: PPOConfig, iteration: int, phase_results: list[dict[str,
         "phases": {r["phase"]: {"cached": r["cached"], "seconds": r["seconds"], "stats": r["stats"]} for r in phase_results},
     }
     path = iter_dir / "manifest.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old.get("artifacts") == artifacts and old.get("config_hash") == manifest["config_hash"]:
+            return path  # a resumed iteration keeps the manifest that first described these bytes
     atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True))
     return path
 

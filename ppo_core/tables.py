@@ -126,6 +126,9 @@ def atomic_path(final: Path) -> Iterator[Path]:
     tmp = Path(tmp_name)
     try:
         yield tmp
+        from ppo_core.faults import failpoint
+
+        failpoint("table.write")  # the temporary file is complete, the final name not yet taken
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, final)

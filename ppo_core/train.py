@@ -12,6 +12,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ppo_core.advantage import to_grid
+from ppo_core.faults import failpoint
 from ppo_core.losses import policy_loss, value_loss
 from ppo_core.models import ADAPTERS, POLICY, VALUE, PolicyValueModel
 from ppo_core.score import make_batch, token_logprobs, token_values
@@ -170,6 +171,7 @@ def ppo_update(
             if on_step:
                 on_step(row)
             step += 1
+            failpoint("train.step")
     for a in ADAPTERS:
         model.assign(_dot(params[a]))
     return metrics
