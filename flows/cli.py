@@ -92,6 +92,17 @@ def doctor() -> None:
 
 
 @app.command()
+def serve(
+    port: int = typer.Option(4200, help="Prefect server port"),
+    host: str = typer.Option("127.0.0.1", help="bind address (loopback unless you mean it)"),
+) -> None:
+    """Start a Prefect server + worker with deployment ppo/iterate; Ctrl-C stops them all."""
+    from flows.serve import serve as run_serve
+
+    raise typer.Exit(run_serve(host=host, port=port, log=lambda m: typer.echo(m)))
+
+
+@app.command()
 def ui(
     root: Path = typer.Option(DEFAULT_ROOT, help="artifact root"),
     port: int = typer.Option(5000),

@@ -1,0 +1,102 @@
+"""`prefect deployment run ppo/iterate` against a real Prefect server and process worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ppo_core import track
+from ppo_core.config import PPOConfig
+from ppo_core.runs import completed_iterations
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _procs_with_env(marker: str) -> list[int]:
+    pids = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in env.read_bytes():
+                pids.append(int(env.parent.name))
+        except OSError:
+            continue
+    return [p for p in pids if p != os.getpid()]
+
+
+@pytest.fixture
+def served(tmp_path):
+    port = _free_port()
+    home = tmp_path / "prefect-home"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    env.pop("PPO_KILL_AT", None)
+    proc = subprocess.Popen(
+        [str(BIN / "ppo"), "serve", "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise AssertionError("ppo serve exited:\n" + "".join(lines))
+        lines.append(line)
+        if line.startswith("ready:"):
+            break
+    else:
+        proc.kill()
+        raise AssertionError("ppo serve never became ready:\n" + "".join(lines))
+    yield env
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    deadline = time.monotonic() + 30
+    while _procs_with_env(str(home)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _procs_with_env(str(home)) == [], "ppo serve left processes behind"
+
+
+def _deployment_run(env: dict, params: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "prefect"), "deployment", "run", "ppo/iterate", "--params", json.dumps(params), "--watch",
+         "--watch-timeout", "600"],
+        env=env, capture_output=True, text=True, timeout=700,
+    )
+
+
+def test_deployment_iterates_and_resumes(served, tiny_cfg):
+    cfg = tiny_cfg(run="deployed")
+    overrides = {k: cfg.to_json_dict()[k] for k in ("model", "artifact_root", "batch_size", "max_new_tokens",
+                                                    "score_batch_size", "ppo_epochs", "num_minibatches",
+                                                    "eval_size", "eval_max_new_tokens", "lora_layers")}
+    first = _deployment_run(served, {"run": "deployed", "iterations": 1, "overrides": overrides})
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert completed_iterations(cfg) == [0, 1]
+    records = {p: p.stat().st_mtime_ns for p in cfg.run_dir.rglob("iter=0001/phases/*.json")}
+    assert len(records) == 7
+
+    second = _deployment_run(served, {"run": "deployed", "iterations": 1, "overrides": overrides})
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert completed_iterations(cfg) == [0, 1, 2]
+    assert all(p.stat().st_mtime_ns == t for p, t in records.items()), "iteration 1 was recomputed"
+    history = track.run_metrics(PPOConfig(**cfg.to_json_dict()))
+    assert [s for s, _ in history["reward/score"]] == [1, 2]
+
+    # a bad parameter fails the flow run with the reason, before anything is written
+    bad = _deployment_run(served, {"run": "../escape", "iterations": 1, "overrides": overrides})
+    assert bad.returncode != 0
+    assert "Failed" in bad.stdout + bad.stderr
+    assert not (Path(overrides["artifact_root"]) / "run=../escape").exists()
+    assert sorted(p.name for p in Path(overrides["artifact_root"]).glob("run=*")) == ["run=deployed"]
