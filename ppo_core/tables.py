@@ -18,6 +18,8 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ppo_core.faults import failpoint
+
 ROLLOUTS = pa.schema(
     [
         ("rollout_id", pa.int32()),
@@ -112,6 +114,10 @@ class TableError(RuntimeError):
     """A table is missing, damaged, or does not match its schema."""
 
 
+class ArtifactWriteError(OSError):
+    """An artifact could not be written (disk full, not writable); nothing was replaced."""
+
+
 @contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
     """Yield a temporary path beside ``final``; rename onto it only on success.
@@ -119,19 +125,23 @@ def atomic_path(final: Path) -> Iterator[Path]:
     A killed process leaves at most a ``.tmp`` file, never a half file under
     the final name.
     """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # keep the real suffix last: some writers (mx.save_safetensors) append theirs otherwise
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.stem}.", suffix=f".tmp{final.suffix}", dir=final.parent)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        # keep the real suffix last: some writers (mx.save_safetensors) append theirs otherwise
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{final.stem}.", suffix=f".tmp{final.suffix}", dir=final.parent)
+    except OSError as exc:
+        raise ArtifactWriteError(f"cannot write {final}: {exc.strerror or exc}") from exc
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        yield tmp
-        from ppo_core.faults import failpoint
-
-        failpoint("table.write")  # the temporary file is complete, the final name not yet taken
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
+        try:
+            yield tmp
+            failpoint("table.write")  # the temporary file is complete, the final name not yet taken
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        except OSError as exc:  # disk full, quota, permissions: the old file (if any) is untouched
+            raise ArtifactWriteError(f"cannot write {final}: {exc.strerror or exc}; nothing was replaced") from exc
     finally:
         tmp.unlink(missing_ok=True)
 
