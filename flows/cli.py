@@ -41,33 +41,72 @@ def train(
     typer.echo(json.dumps(summary, indent=2))
 
 
+def _emit(rel, fmt: str, output: Optional[Path]) -> None:
+    if fmt == "table":
+        rel.show(max_width=200, max_rows=100)
+    elif fmt == "csv":
+        rel.pl().write_csv(output or sys.stdout)
+    elif fmt == "json":
+        text = rel.pl().write_json()
+        output.write_text(text) if output else typer.echo(text)
+    elif fmt == "parquet":
+        if output is None:
+            raise typer.BadParameter("--format parquet needs --output FILE")
+        rel.pl().write_parquet(output)
+    else:
+        raise typer.BadParameter(f"--format must be table, csv, json or parquet (got {fmt!r})")
+
+
 @app.command()
 def sql(
-    query: str = typer.Argument(..., help="SQL over views rollouts, sa_pairs, rewards, values, advantages, metrics, eval"),
+    query: Optional[str] = typer.Argument(None, help="SQL; omit it for an interactive shell"),
     root: Path = typer.Option(DEFAULT_ROOT, help="artifact root"),
-    fmt: str = typer.Option("table", "--format", help="table | csv | json"),
+    fmt: str = typer.Option("table", "--format", help="table | csv | json | parquet"),
+    output: Optional[Path] = typer.Option(None, help="write the result here instead of stdout"),
 ) -> None:
-    """Query the experience tables of every run with DuckDB."""
+    """Query the experience tables of every run with DuckDB.
+
+    Views: rollouts, sa_pairs, rewards, values, advantages, metrics, eval, tokens
+    (all per-token columns joined) and the macro state_text(run, iter, rollout_id, t).
+    """
     import duckdb
 
     from ppo_core.query import connect
 
+    con = connect(root)
+    if query is None:
+        _shell(con)
+        return
     try:
-        rel = connect(root).sql(query)
+        rel = con.sql(query)
     except duckdb.Error as exc:
         typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(2)
-    if rel is None:
-        return
-    if fmt == "table":
-        rel.show(max_width=200, max_rows=100)
-    elif fmt == "csv":
-        rel.pl().write_csv(sys.stdout)
-    elif fmt == "json":
-        typer.echo(rel.pl().write_json())
-    else:
-        typer.secho(f"error: --format must be table, csv or json (got {fmt!r})", fg="red", err=True)
-        raise typer.Exit(2)
+    if rel is not None:
+        _emit(rel, fmt, output)
+
+
+def _shell(con) -> None:
+    import duckdb
+
+    typer.echo("DuckDB over the artifact store. End statements with ';'. Ctrl-D to quit.")
+    buf = ""
+    while True:
+        try:
+            line = input("ppo> " if not buf else "...> ")
+        except EOFError:
+            typer.echo("")
+            return
+        buf += line + "\n"
+        if not buf.rstrip().endswith(";"):
+            continue
+        try:
+            rel = con.sql(buf)
+            if rel is not None:
+                rel.show(max_width=200, max_rows=100)
+        except duckdb.Error as exc:
+            typer.secho(f"error: {exc}", fg="red", err=True)
+        buf = ""
 
 
 @app.command()
