@@ -77,8 +77,38 @@ def log_iteration(
     for name in ("policy_adapter.safetensors", "value_adapter.safetensors"):
         if (ckpt / name).is_file():
             client.log_artifact(run_id, str(ckpt / name), artifact_path=f"adapters/iter={iteration:04d}")
+    _log_table_inputs(client, run_id, iter_dir, iteration)
     if (iter_dir / "eval.parquet").is_file():
-        client.log_artifact(run_id, str(iter_dir / "eval.parquet"), artifact_path=f"samples/iter={iteration:04d}")
+        import pyarrow.parquet as pq
+
+        samples = pq.read_table(iter_dir / "eval.parquet", columns=["prompt_id", "prompt", "response", "score"])
+        client.log_table(run_id, data=samples.to_pandas(), artifact_file=f"samples/iter={iteration:04d}.json")
+
+
+def _log_table_inputs(client, run_id: str, iter_dir: Path, iteration: int) -> None:
+    """Record each experience table as an MLflow dataset input: source = its path, digest = its hash.
+
+    The manifest already holds the content hashes, so no table is read here.
+    """
+    import json
+
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.sources import LocalArtifactDatasetSource
+    from mlflow.entities import DatasetInput, InputTag
+
+    manifest_path = iter_dir / "manifest.json"
+    if not manifest_path.is_file():
+        return
+    artifacts = json.loads(manifest_path.read_text())["artifacts"]
+    inputs = []
+    for rel, digest in sorted(artifacts.items()):
+        if not rel.endswith(".parquet"):
+            continue
+        path = iter_dir.parent / rel
+        ds = MetaDataset(source=LocalArtifactDatasetSource(str(path.resolve())), name=f"{path.stem}@iter={iteration:04d}", digest=digest[:16])
+        inputs.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")]))
+    if inputs:
+        client.log_inputs(run_id, datasets=inputs)
 
 
 def set_status(cfg: PPOConfig, status: str, reason: str | None = None) -> None:

@@ -51,6 +51,14 @@ def test_flow_runs_resumes_and_tracks(flow_overrides, tmp_path):
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     history = track.run_metrics(cfg)
     assert [s for s, _ in history["reward/score"]] == [1, 2, 3]
+    run = mlflow.get_run(runs[0].info.run_id)
+    names = {d.dataset.name for d in run.inputs.dataset_inputs}
+    assert {"rollouts@iter=0001", "advantages@iter=0003", "sa_pairs@iter=0002"} <= names
+    digests = {d.dataset.name: d.dataset.digest for d in run.inputs.dataset_inputs}
+    manifest1 = json.loads((cfg.iter_dir(1) / "manifest.json").read_text())
+    assert digests["rollouts@iter=0001"] == manifest1["artifacts"]["iter=0001/rollouts.parquet"][:16]
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(runs[0].info.run_id, "samples")}
+    assert "samples/iter=0003.json" in artifacts
     manifest = json.loads((cfg.iter_dir(3) / "manifest.json").read_text())
     assert manifest["phases"]["rollout"]["cached"] is False
 
