@@ -135,6 +135,18 @@ def ppo_update(
     policy_vg = mx.value_and_grad(policy_objective)
     value_vg = mx.value_and_grad(value_objective)
     params = {a: _slash(model.trainable(a)) for a in ADAPTERS}
+
+    def update(adapter, value_and_grad, loss_name, old, target, batch, trunk, idx, lens, where):
+        """One clipped-gradient optimiser step of ``adapter``; fails loudly on non-finite numbers."""
+        (_, stats), grads = value_and_grad(
+            params[adapter], batch, trunk, _grid(rows(idx, old), lens), _grid(rows(idx, target), lens)
+        )
+        grads, norm = optim.clip_grad_norm(grads, settings.max_grad_norm)
+        mx.eval(stats, norm)
+        _finite(f"{adapter} loss", stats[loss_name], where)
+        _finite(f"{adapter} gradient norm", norm, where)
+        params[adapter] = optimizers[adapter].apply_gradients(grads, params[adapter])
+        return stats, norm
     metrics: list[dict[str, float]] = []
     step = 0
     for epoch in range(settings.epochs):
@@ -145,23 +157,9 @@ def ppo_update(
             trunk = trunk_all[mx.array(idx)][:, : batch.tokens.shape[1]]
             where = f"epoch {epoch} minibatch {mb}"
 
-            (_, p_stats), p_grads = policy_vg(
-                params[POLICY], batch, trunk, _grid(rows(idx, data.old_logprob), lens), _grid(rows(idx, data.advantage), lens)
-            )
-            p_grads, p_norm = optim.clip_grad_norm(p_grads, settings.max_grad_norm)
-            mx.eval(p_stats, p_norm)
-            _finite("policy loss", p_stats["policy_loss"], where)
-            _finite("policy gradient norm", p_norm, where)
-            params[POLICY] = optimizers[POLICY].apply_gradients(p_grads, params[POLICY])
-
-            (_, v_stats), v_grads = value_vg(
-                params[VALUE], batch, trunk, _grid(rows(idx, data.old_value), lens), _grid(rows(idx, data.returns), lens)
-            )
-            v_grads, v_norm = optim.clip_grad_norm(v_grads, settings.max_grad_norm)
-            mx.eval(v_stats, v_norm)
-            _finite("value loss", v_stats["value_loss"], where)
-            _finite("value gradient norm", v_norm, where)
-            params[VALUE] = optimizers[VALUE].apply_gradients(v_grads, params[VALUE])
+            mb_args = (batch, trunk, idx, lens, where)
+            p_stats, p_norm = update(POLICY, policy_vg, "policy_loss", data.old_logprob, data.advantage, *mb_args)
+            v_stats, v_norm = update(VALUE, value_vg, "value_loss", data.old_value, data.returns, *mb_args)
             mx.eval(params)
 
             row = {"step": step, "epoch": epoch, "minibatch": mb}
