@@ -24,6 +24,20 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
+def artifact_root_problem(root: Path) -> str | None:
+    """Why ``root`` cannot hold queryable tables, or None.
+
+    DuckDB reads hive keys from every ``key=value`` folder of a file's full
+    path and expands glob characters, so neither may appear above the runs.
+    """
+    for part in Path(root).expanduser().resolve().parts:
+        if "=" in part:
+            return f"folder '{part}' looks like a hive partition (contains '='), which would shadow the run/iter columns"
+        if any(c in part for c in "*?[]{}"):
+            return f"folder '{part}' contains a glob character (one of *?[]{{}})"
+    return None
+
+
 class PPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
@@ -88,6 +102,14 @@ class PPOConfig(BaseModel):
                 "must be 1-100 characters of letters, digits, '_', '-' or '.', start with a letter "
                 "or digit, and contain no path separator or '..'"
             )
+        return v
+
+    @field_validator("artifact_root")
+    @classmethod
+    def _root(cls, v: Path) -> Path:
+        problem = artifact_root_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
     @field_validator("reward")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import duckdb
 
+from ppo_core.config import artifact_root_problem
+
 VIEW_TABLES = ("rollouts", "sa_pairs", "rewards", "values", "advantages", "metrics", "eval")
 KEY = ("run", "iter", "rollout_id", "t")
 
@@ -43,8 +45,11 @@ def connect(artifact_root: Path, database: str = ":memory:") -> duckdb.DuckDBPyC
     ``run`` and ``iter`` are hive partition columns, so ``WHERE run = 'x' AND
     iter = 3`` reads only that directory's files.
     """
-    con = duckdb.connect(database)
     root = Path(artifact_root)
+    problem = artifact_root_problem(root)
+    if problem:
+        raise ValueError(f"artifact root {root} cannot be queried: {problem}")
+    con = duckdb.connect(database)
     present = []
     for name in VIEW_TABLES:
         if not any(root.glob(f"run=*/iter=*/{name}.parquet")):

@@ -195,3 +195,9 @@ def test_json_config_that_is_not_an_object(tmp_path):
     p.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="must hold a table/object"):
         load_config(p)
+
+
+@pytest.mark.parametrize("root", ["/tmp/run=x/artifacts", "/tmp/a[1]/artifacts", "/tmp/st*r"])
+def test_artifact_root_that_duckdb_would_misread(root):
+    with pytest.raises(ConfigError, match="artifact_root"):
+        load_config(overrides={"artifact_root": root})
