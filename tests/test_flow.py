@@ -82,3 +82,34 @@ def test_cli_rejects_bad_config_before_anything_runs(tmp_path):
     assert result.exit_code == 2
     assert "gamma" in result.output and "less than or equal to 1" in result.output
     assert not any(tmp_path.iterdir())
+
+
+def test_failed_flow_marks_the_mlflow_run_failed_with_the_reason(flow_overrides, monkeypatch):
+    from ppo_core import phases
+
+    import numpy as np
+
+    calls = []
+
+    class Exploding:
+        name = "exploding"
+
+        def __call__(self, prompts, responses, n_tokens):
+            calls.append(1)
+            if len(calls) == 1:  # the baseline evaluation (iteration 0) still works
+                return np.zeros(len(responses))
+            raise RuntimeError("scorer offline")
+
+    monkeypatch.setattr(phases, "make_reward", lambda *a, **k: Exploding())
+    with pytest.raises(Exception, match="scorer offline"):
+        ppo(run="doomed", iterations=1, overrides=flow_overrides)
+    cfg = load_config(overrides={**flow_overrides, "run": "doomed"})
+    import mlflow
+
+    mlflow.set_tracking_uri(track.tracking_uri(cfg))
+    [run] = mlflow.search_runs(experiment_names=[track.EXPERIMENT], filter_string="tags.`ppo.run` = 'doomed'", output_format="list")
+    assert run.info.status == "FAILED"
+    assert "scorer offline" in run.data.tags["failure_reason"]
+    # the phases before the failure are kept, so a re-run resumes from them
+    assert (cfg.iter_dir(1) / "sa_pairs.parquet").is_file()
+    assert not (cfg.iter_dir(1) / "rewards.parquet").exists()
