@@ -57,6 +57,28 @@ def _emit(rel, fmt: str, output: Optional[Path]) -> None:
         raise typer.BadParameter(f"--format must be table, csv, json or parquet (got {fmt!r})")
 
 
+@app.command("reward-model")
+def reward_model_cmd(
+    name: str = typer.Option("rm", help="saved as <artifact_root>/reward_models/<name>.safetensors"),
+    data: Path = typer.Option(PROJECT_ROOT / "data" / "preferences.jsonl", help="JSONL/Parquet with prompt, chosen, rejected"),
+    epochs: int = typer.Option(2, min=1),
+    lr: float = typer.Option(1e-3, min=0.0),
+    eval_fraction: float = typer.Option(0.2, min=0.01, max=0.9, help="share of prompts held out for accuracy"),
+    set_: list[str] = typer.Option([], "--set", help="config override key=value (model, lora_*, seed, artifact_root)"),
+) -> None:
+    """Train a learned reward model (Bradley-Terry) on preference pairs; use it with --set reward=model:<path>."""
+    try:
+        overrides = dict(parse_override(s) for s in set_)
+        load_config(overrides=overrides)
+    except ConfigError as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2)
+    from flows.reward_model import reward_model
+
+    result = reward_model(name=name, data=str(data), epochs=epochs, lr=lr, eval_fraction=eval_fraction, overrides=overrides)
+    typer.echo(json.dumps({k: v for k, v in result.items() if k != "history"}, indent=2))
+
+
 @app.command()
 def sql(
     query: Optional[str] = typer.Argument(None, help="SQL; omit it for an interactive shell"),

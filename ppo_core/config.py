@@ -58,6 +58,9 @@ class PPOConfig(BaseModel):
 
     # --- reward ---
     reward: str = Field("vader", description="'vader', 'length', 'keyword:<word>[,<word>...]' or 'model:<path>'")
+    reward_norm: Literal["none", "batch", "train"] = Field(
+        "none", description="learned reward models: raw score, z-score per batch, or z-score by training-set stats"
+    )
     kl_coef: float = Field(0.05, ge=0.0, le=10.0)
     adaptive_kl: bool = False
     kl_target: float = Field(4.0, gt=0.0, le=1000.0, description="target mean per-rollout KL (adaptive_kl)")

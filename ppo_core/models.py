@@ -27,8 +27,10 @@ from ppo_core.tables import atomic_path, sha256_file
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-POLICY, VALUE = "policy", "value"
-ADAPTERS = (POLICY, VALUE)
+POLICY, VALUE, REWARD = "policy", "value", "reward"
+ADAPTERS = (POLICY, VALUE, REWARD)  # LoRA slots in every adapted layer
+PPO_ADAPTERS = (POLICY, VALUE)  # what a PPO checkpoint holds
+HEADED = (VALUE, REWARD)  # adapters with a scalar head on the last hidden state
 
 
 class ModelError(RuntimeError):
@@ -149,7 +151,7 @@ class PolicyValueModel:
     tokenizer: Any
     model_dir: Path
     switch: AdapterSwitch
-    value_head: nn.Linear
+    heads: dict[str, nn.Linear]  # scalar heads of the value and reward models
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
     n_frozen: int  # layers below the first adapter: identical for policy, reference and value
@@ -195,7 +197,10 @@ class PolicyValueModel:
         return self.lm.lm_head(h)
 
     def value_from_hidden(self, h: mx.array) -> mx.array:
-        return self.value_head(h).squeeze(-1)
+        return self.heads[VALUE](h).squeeze(-1)
+
+    def reward_from_hidden(self, h: mx.array) -> mx.array:
+        return self.heads[REWARD](h).squeeze(-1)
 
     # --- adapter parameters -------------------------------------------------
 
@@ -203,29 +208,35 @@ class PolicyValueModel:
         """Flat {path: array} of the parameters the ``adapter`` optimiser updates."""
         marker = f".adapters.{adapter}."
         flat = {k: v for k, v in tree_flatten(self.lm.parameters()) if marker in k}
-        if adapter == VALUE:
-            flat.update({f"value_head.{k}": v for k, v in tree_flatten(self.value_head.parameters())})
+        if adapter in self.heads:
+            flat.update({f"{adapter}_head.{k}": v for k, v in tree_flatten(self.heads[adapter].parameters())})
         return flat
 
     def assign(self, flat: dict[str, mx.array]) -> None:
-        lm_part = [(k, v) for k, v in flat.items() if not k.startswith("value_head.")]
-        head_part = [(k.removeprefix("value_head."), v) for k, v in flat.items() if k.startswith("value_head.")]
-        if lm_part:
-            self.lm.update(tree_unflatten(lm_part))
-        if head_part:
-            self.value_head.update(tree_unflatten(head_part))
+        parts: dict[str, list[tuple[str, mx.array]]] = {}
+        for k, v in flat.items():
+            head, _, rest = k.partition("_head.")
+            if rest and head in self.heads:
+                parts.setdefault(head, []).append((rest, v))
+            else:
+                parts.setdefault("", []).append((k, v))
+        for owner, items in parts.items():
+            (self.heads[owner] if owner else self.lm).update(tree_unflatten(items))
 
-    def reset_adapters(self, seed: int) -> None:
-        """Deterministic initial adapters and head for ``seed`` (iteration 0)."""
-        for adapter in ADAPTERS:
+    def reset_adapters(self, seed: int, adapters: tuple[str, ...] = ADAPTERS) -> None:
+        """Deterministic initial adapters and heads for ``seed`` (iteration 0)."""
+        for adapter in adapters:
             self.assign(initial_parameters(self.trainable(adapter), seed, adapter))
 
-    def save_adapter(self, adapter: str, path: Path) -> None:
+    def save_adapter(self, adapter: str, path: Path, metadata: dict[str, str] | None = None) -> None:
         with atomic_path(path) as tmp:
-            mx.save_safetensors(str(tmp), self.trainable(adapter), metadata={"adapter": adapter})
+            mx.save_safetensors(str(tmp), self.trainable(adapter), metadata={"adapter": adapter, **(metadata or {})})
 
     def load_adapter(self, adapter: str, path: Path) -> None:
-        flat = mx.load(str(path))
+        try:
+            flat = mx.load(str(path))
+        except Exception as exc:
+            raise ModelError(f"cannot read adapter file {path}: {exc}") from exc
         expected = self.trainable(adapter)
         if set(flat) != set(expected):
             raise ModelError(f"adapter file {path} does not match this model's {adapter} adapter layout")
@@ -234,7 +245,7 @@ class PolicyValueModel:
 
 def initial_parameters(like: dict[str, mx.array], seed: int, adapter: str) -> dict[str, mx.array]:
     """Fresh adapter/head values keyed by (seed, adapter) only, so resumes are reproducible."""
-    keys = mx.random.split(mx.random.key(seed * len(ADAPTERS) + ADAPTERS.index(adapter)), len(like))
+    keys = mx.random.split(mx.random.key(seed * 16 + ADAPTERS.index(adapter)), len(like))
     out = {}
     for k, (name, arr) in zip(keys, sorted(like.items())):
         if name.endswith(".b") or name.endswith("bias"):
@@ -270,10 +281,10 @@ def load_policy_value_model(cfg: PPOConfig) -> PolicyValueModel:
     if _inject_lora(lm.model, n_frozen, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, switch) == 0:
         raise ModelError(f"no Linear layers named {cfg.lora_targets} in {model_dir}")
     hidden = lm.model.embed_tokens.weight.shape[1]
-    head = nn.Linear(hidden, 1)
+    heads = {name: nn.Linear(hidden, 1) for name in HEADED}
     eos = tuple(sorted(tokenizer.eos_token_ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    model = PolicyValueModel(lm, tokenizer, model_dir, switch, head, eos, pad, n_frozen)
-    mx.eval(lm.parameters(), head.parameters())
+    model = PolicyValueModel(lm, tokenizer, model_dir, switch, heads, eos, pad, n_frozen)
+    mx.eval(lm.parameters(), [h.parameters() for h in heads.values()])
     _CACHE[key] = model
     return model

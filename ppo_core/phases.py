@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from ppo_core.advantage import gae
 from ppo_core.config import PPOConfig
 from ppo_core.faults import failpoint
-from ppo_core.models import ADAPTERS, POLICY, VALUE, PolicyValueModel, load_policy_value_model
+from ppo_core.models import PPO_ADAPTERS, POLICY, VALUE, PolicyValueModel, load_policy_value_model
 from ppo_core.prompts import check_prompt_lengths, load_prompts
 from ppo_core.rewards import adaptive_kl_coef, make_reward, score_responses, shape_rewards
 from ppo_core.tables import (
@@ -144,7 +144,7 @@ def run_phase(
 # ---------------------------------------------------------------- helpers
 
 
-def model_for(cfg: PPOConfig, ckpt: Path | None, adapters: tuple[str, ...] = ADAPTERS) -> PolicyValueModel:
+def model_for(cfg: PPOConfig, ckpt: Path | None, adapters: tuple[str, ...] = PPO_ADAPTERS) -> PolicyValueModel:
     """The shared base model with ``adapters`` loaded from checkpoint directory ``ckpt``."""
     model = load_policy_value_model(cfg)
     for a in adapters:
@@ -191,10 +191,10 @@ def init_checkpoint(cfg: PPOConfig) -> PhaseResult:
 
     def compute():
         model = load_policy_value_model(cfg)
-        model.reset_adapters(cfg.seed)
+        model.reset_adapters(cfg.seed, PPO_ADAPTERS)
         ckpt = checkpoint_dir(cfg, 0)
         paths = {k: v for k, v in checkpoint_paths(ckpt).items() if k.endswith("_adapter")}
-        for a in ADAPTERS:
+        for a in PPO_ADAPTERS:
             model.save_adapter(a, paths[f"{a}_adapter"])
         return paths, {}
 
@@ -270,6 +270,20 @@ def attribute(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: P
     return run_phase(cfg, iteration, "attribute", inputs, compute)
 
 
+def reward_function(cfg: PPOConfig):
+    """The run's reward function; a learned one shares the loaded base model."""
+    if cfg.reward.startswith("model:"):
+        from ppo_core.reward_model import LearnedReward
+
+        return LearnedReward(load_policy_value_model(cfg), Path(cfg.reward.removeprefix("model:")), cfg, cfg.reward_norm)
+    return make_reward(cfg.reward, cfg.length_min, cfg.length_max)
+
+
+def _reward_inputs(cfg: PPOConfig) -> dict[str, Path]:
+    """A learned reward model is an input of every phase that scores: its bytes are in the cache key."""
+    return {"reward_model": Path(cfg.reward.removeprefix("model:"))} if cfg.reward.startswith("model:") else {}
+
+
 def _kl_coef_for(cfg: PPOConfig, iteration: int) -> float:
     """The KL coefficient of ``iteration``: fixed, or the adaptive controller's value."""
     if not cfg.adaptive_kl or iteration <= 1:
@@ -285,7 +299,7 @@ def _kl_coef_for(cfg: PPOConfig, iteration: int) -> float:
 def reward(cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: Path) -> PhaseResult:
     """Score each response, then shape per token: -kl_coef*KL_t, plus the score at the last token."""
     rollouts_path, sa_pairs_path = Path(rollouts_path), Path(sa_pairs_path)
-    inputs = {"rollouts": rollouts_path, "sa_pairs": sa_pairs_path}
+    inputs = {"rollouts": rollouts_path, "sa_pairs": sa_pairs_path, **_reward_inputs(cfg)}
     if cfg.adaptive_kl and iteration > 1:
         inputs["previous_rewards"] = table_path(cfg.iter_dir(iteration - 1), "rewards")
 
@@ -293,7 +307,7 @@ def reward(cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: P
         ro = read_table(rollouts_path)
         kl = read_table(sa_pairs_path).column("kl").to_numpy()
         lengths = _flat_lengths(ro)
-        fn = make_reward(cfg.reward, cfg.length_min, cfg.length_max)
+        fn = reward_function(cfg)
         raw = score_responses(fn, ro.column("prompt").to_pylist(), ro.column("response").to_pylist(), lengths)
         truncated = np.array([f == "length" for f in ro.column("finish_reason").to_pylist()])
         scores = raw + cfg.missing_eos_penalty * truncated
@@ -389,7 +403,7 @@ def train(
             raise ValueError("sa_pairs and advantages do not cover every generated token")
         model = model_for(cfg, checkpoint)
         optimizers = {POLICY: make_optimizer(cfg.policy_lr), VALUE: make_optimizer(cfg.value_lr)}
-        for a in ADAPTERS:
+        for a in PPO_ADAPTERS:
             if prev[f"{a}_optimizer"].is_file():
                 load_optimizer(optimizers[a], prev[f"{a}_optimizer"])
         settings = TrainSettings(
@@ -400,7 +414,7 @@ def train(
         rows = ppo_update(model, data, settings, optimizers, rng)
         out_dir = cfg.iter_dir(iteration)
         paths = checkpoint_paths(out_dir / "checkpoint")
-        for a in ADAPTERS:
+        for a in PPO_ADAPTERS:
             model.save_adapter(a, paths[f"{a}_adapter"])
             save_optimizer(optimizers[a], paths[f"{a}_optimizer"])
         metrics = pl.DataFrame(rows)
@@ -418,7 +432,11 @@ def train(
 def evaluate(cfg: PPOConfig, iteration: int, checkpoint: Path) -> PhaseResult:
     """Score the policy of ``checkpoint`` on the held-out eval prompts."""
     checkpoint = Path(checkpoint)
-    inputs = {"policy_adapter": checkpoint / "policy_adapter.safetensors", "eval_prompts": cfg.eval_prompts_path}
+    inputs = {
+        "policy_adapter": checkpoint / "policy_adapter.safetensors",
+        "eval_prompts": cfg.eval_prompts_path,
+        **_reward_inputs(cfg),
+    }
 
     def compute():
         from ppo_core.generate import decode_responses, generate, render_prompts
@@ -432,7 +450,7 @@ def evaluate(cfg: PPOConfig, iteration: int, checkpoint: Path) -> PhaseResult:
         )
         responses = decode_responses(model, gen.response_ids)
         lengths = np.array([len(r) for r in gen.response_ids])
-        fn = make_reward(cfg.reward, cfg.length_min, cfg.length_max)
+        fn = reward_function(cfg)
         scores = score_responses(fn, prompts["prompt"].to_list(), responses, lengths)
         table = {
             "prompt_id": prompts["prompt_id"].to_list(),

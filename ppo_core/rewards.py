@@ -75,10 +75,7 @@ def make_reward(spec: str, length_min: int = 8, length_max: int = 24) -> RewardF
     if spec.startswith("keyword:"):
         return KeywordReward(tuple(w for w in spec.removeprefix("keyword:").split(",") if w))
     if spec.startswith("model:"):
-        raise RewardError(
-            f"reward '{spec}': learned reward models plug into the RewardFunction interface "
-            "but none is trained yet (see the reward-model issue)"
-        )
+        raise RewardError(f"reward '{spec}' needs the loaded model: use ppo_core.phases.reward_function")
     raise RewardError(f"unknown reward '{spec}'")
 
 

@@ -130,3 +130,23 @@ def run_metrics(cfg: PPOConfig) -> dict[str, list[tuple[int, float]]]:
     client = mlflow.MlflowClient()
     run = client.get_run(ensure_run(cfg))
     return {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] for k in run.data.metrics}
+
+
+def log_reward_model(cfg: PPOConfig, name: str, params: dict[str, Any], result: dict[str, Any]) -> str:
+    """One MLflow run per reward-model training in experiment 'reward-model'."""
+    mlflow = _mlflow(cfg)
+    from mlflow.entities import Metric, Param
+
+    client = mlflow.MlflowClient()
+    exp = client.get_experiment_by_name("reward-model") or client.get_experiment(
+        client.create_experiment("reward-model", artifact_location=(cfg.artifact_root / "mlruns").resolve().as_uri())
+    )
+    run = client.create_run(exp.experiment_id, run_name=name, tags={"reward_model.name": name})
+    now = int(time.time() * 1000)
+    flat = {**{k: str(v) for k, v in params.items()}, **{k: str(v) for k, v in cfg.to_json_dict().items() if k.startswith("lora") or k in ("model", "seed")}}
+    metrics = [Metric(k, float(row[k]), now, int(row["epoch"])) for row in result["history"] for k in ("loss", "train_accuracy", "eval_accuracy")]
+    metrics += [Metric(k, float(result[k]), now, 0) for k in ("train_pairs", "eval_pairs")]
+    client.log_batch(run.info.run_id, metrics=metrics, params=[Param(k, v) for k, v in flat.items()])
+    client.log_artifact(run.info.run_id, result["path"], artifact_path="reward_model")
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ppo_core.advantage import to_grid
 from ppo_core.faults import failpoint
 from ppo_core.losses import policy_loss, value_loss
-from ppo_core.models import ADAPTERS, POLICY, VALUE, PolicyValueModel
+from ppo_core.models import PPO_ADAPTERS, POLICY, VALUE, PolicyValueModel
 from ppo_core.score import make_batch, token_logprobs, token_values
 from ppo_core.tables import atomic_path
 
@@ -80,7 +80,7 @@ def load_optimizer(opt: optim.Optimizer, path: Path) -> None:
 
 def checkpoint_paths(ckpt_dir: Path) -> dict[str, Path]:
     paths = {}
-    for a in ADAPTERS:
+    for a in PPO_ADAPTERS:
         paths[f"{a}_adapter"] = ckpt_dir / f"{a}_adapter.safetensors"
         paths[f"{a}_optimizer"] = ckpt_dir / f"{a}_optimizer.safetensors"
     return paths
@@ -134,7 +134,7 @@ def ppo_update(
 
     policy_vg = mx.value_and_grad(policy_objective)
     value_vg = mx.value_and_grad(value_objective)
-    params = {a: _slash(model.trainable(a)) for a in ADAPTERS}
+    params = {a: _slash(model.trainable(a)) for a in PPO_ADAPTERS}
 
     def update(adapter, value_and_grad, loss_name, old, target, batch, trunk, idx, lens, where):
         """One clipped-gradient optimiser step of ``adapter``; fails loudly on non-finite numbers."""
@@ -170,6 +170,6 @@ def ppo_update(
                 on_step(row)
             step += 1
             failpoint("train.step")
-    for a in ADAPTERS:
+    for a in PPO_ADAPTERS:
         model.assign(_dot(params[a]))
     return metrics

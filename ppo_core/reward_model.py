@@ -1,0 +1,226 @@
+"""Learned reward model: base + reward LoRA + scalar head, trained with Bradley-Terry.
+
+The reward of a (prompt, response) pair is the head's output on the final
+hidden state of ``chat(prompt) + response + EOS``. Training minimises
+``-log sigmoid(r(chosen) - r(rejected))`` over preference pairs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import polars as pl
+
+from ppo_core.generate import render_prompts
+from ppo_core.models import REWARD, ModelError, PolicyValueModel
+from ppo_core.score import make_batch
+
+NORMALIZATIONS = ("none", "batch", "train")
+
+
+class PreferenceError(ValueError):
+    """The preference file is missing or malformed."""
+
+
+def load_preferences(path: Path) -> pl.DataFrame:
+    """Columns prompt, chosen, rejected (JSONL or Parquet)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PreferenceError(f"preference file {path} does not exist")
+    try:
+        df = pl.read_parquet(path) if path.suffix == ".parquet" else pl.read_ndjson(path)
+    except Exception as exc:
+        raise PreferenceError(f"preference file {path} is unreadable: {exc}") from None
+    missing = [c for c in ("prompt", "chosen", "rejected") if c not in df.columns]
+    if missing:
+        raise PreferenceError(f"preference file {path} lacks column(s) {missing}")
+    if df.height < 2:
+        raise PreferenceError(f"preference file {path} needs at least 2 pairs (has {df.height})")
+    return df.select(pl.col("prompt", "chosen", "rejected").cast(pl.String))
+
+
+def split_pairs(df: pl.DataFrame, eval_fraction: float, seed: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Held-out pairs are split by prompt, so no prompt is in both halves."""
+    prompts = df["prompt"].unique().sort()
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    n_eval = max(1, int(round(len(prompts) * eval_fraction)))
+    held = set(prompts.gather(order[:n_eval]).to_list())
+    mask = df["prompt"].is_in(list(held))
+    return df.filter(~mask), df.filter(mask)
+
+
+def _sequences(model: PolicyValueModel, prompts: list[str], responses: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+    eos = model.eos_token_ids[0]
+    resp = [model.tokenizer.encode(r, add_special_tokens=False) + [eos] for r in responses]
+    return render_prompts(model, prompts), resp
+
+
+def _last_position_rewards(model: PolicyValueModel, batch, trunk: mx.array, lengths: mx.array) -> mx.array:
+    h = model.top(trunk, REWARD)
+    last = mx.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0, :]
+    return model.reward_from_hidden(last)
+
+
+def score_texts(model: PolicyValueModel, prompts: list[str], responses: list[str], batch_size: int = 16) -> np.ndarray:
+    """Reward-model score of each (prompt, response), in batches."""
+    p_ids, r_ids = _sequences(model, prompts, responses)
+    out = []
+    for lo in range(0, len(p_ids), batch_size):
+        b = make_batch(p_ids[lo : lo + batch_size], r_ids[lo : lo + batch_size], model.pad_token_id)
+        lengths = mx.array([len(p) + len(r) for p, r in zip(p_ids[lo : lo + batch_size], r_ids[lo : lo + batch_size])])
+        r = _last_position_rewards(model, b, model.trunk(b.tokens), lengths)
+        mx.eval(r)
+        out.append(np.array(r))
+    return np.concatenate(out).astype(np.float64)
+
+
+@dataclass
+class RewardModelResult:
+    train_accuracy: float
+    eval_accuracy: float
+    score_mean: float
+    score_std: float
+    history: list[dict[str, float]]
+
+
+def train_reward_model(
+    model: PolicyValueModel,
+    train: pl.DataFrame,
+    held_out: pl.DataFrame,
+    *,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    on_epoch: Callable[[dict[str, float]], None] | None = None,
+) -> RewardModelResult:
+    """Bradley-Terry training of the reward adapter + head; reports held-out pairwise accuracy."""
+    model.reset_adapters(seed, (REWARD,))
+    # chosen and rejected of pair i are rows i and n + i: one trunk pass for both
+    n = train.height
+    p_ids, r_ids = _sequences(model, train["prompt"].to_list() * 2, train["chosen"].to_list() + train["rejected"].to_list())
+    full = make_batch(p_ids, r_ids, model.pad_token_id)
+    trunk_all = mx.concatenate([model.trunk(full.tokens[lo : lo + 16]) for lo in range(0, 2 * n, 16)], axis=0)
+    mx.eval(trunk_all)
+    lengths_all = mx.array([len(p) + len(r) for p, r in zip(p_ids, r_ids)])
+
+    def loss_fn(params, idx):
+        model.assign(params)
+        rows = mx.concatenate([idx, idx + n])
+        r = _last_position_rewards(model, full, trunk_all[rows], lengths_all[rows])
+        margin = r[: idx.shape[0]] - r[idx.shape[0] :]
+        return -mx.mean(mx.log(mx.sigmoid(margin) + 1e-12)), margin
+
+    vg = mx.value_and_grad(loss_fn)
+    opt = optim.Adam(learning_rate=lr)
+    params = model.trainable(REWARD)
+    rng = np.random.default_rng(seed)
+    history = []
+    for epoch in range(epochs):
+        losses, correct = [], 0
+        for chunk in np.array_split(rng.permutation(n), max(1, n // batch_size)):
+            (loss, margin), grads = vg(params, mx.array(chunk))
+            grads, _ = optim.clip_grad_norm(grads, 1.0)
+            params = opt.apply_gradients(grads, params)
+            mx.eval(params, loss, margin)
+            if not np.isfinite(loss.item()):
+                raise FloatingPointError(f"non-finite reward-model loss in epoch {epoch}")
+            losses.append(loss.item())
+            correct += int((np.array(margin) > 0).sum())
+        model.assign(params)
+        row = {"epoch": epoch, "loss": float(np.mean(losses)), "train_accuracy": correct / n,
+               "eval_accuracy": pairwise_accuracy(model, held_out)}
+        history.append(row)
+        if on_epoch:
+            on_epoch(row)
+    # training-set score statistics (for reward_norm='train'), from the cached trunk
+    scores = np.concatenate([
+        np.array(_last_position_rewards(model, full, trunk_all[lo : lo + 16], lengths_all[lo : lo + 16]))
+        for lo in range(0, 2 * n, 16)
+    ])
+    return RewardModelResult(history[-1]["train_accuracy"], history[-1]["eval_accuracy"],
+                             float(scores.mean()), float(scores.std() + 1e-8), history)
+
+
+def pairwise_accuracy(model: PolicyValueModel, pairs: pl.DataFrame) -> float:
+    chosen = score_texts(model, pairs["prompt"].to_list(), pairs["chosen"].to_list())
+    rejected = score_texts(model, pairs["prompt"].to_list(), pairs["rejected"].to_list())
+    return float(np.mean(chosen > rejected))
+
+
+def layout(cfg_like) -> dict[str, str]:
+    """The LoRA layout a reward-model file was trained with; PPO must match it to load it."""
+    return {
+        "lora_layers": str(cfg_like.lora_layers), "lora_rank": str(cfg_like.lora_rank),
+        "lora_alpha": str(cfg_like.lora_alpha), "lora_targets": ",".join(cfg_like.lora_targets),
+    }
+
+
+def save_reward_model(model: PolicyValueModel, path: Path, cfg_like, result: RewardModelResult) -> Path:
+    meta = {**layout(cfg_like), "model_dir": model.model_dir.name, "score_mean": repr(result.score_mean),
+            "score_std": repr(result.score_std), "eval_accuracy": repr(result.eval_accuracy)}
+    model.save_adapter(REWARD, path, metadata=meta)
+    path.with_suffix(".json").write_text(json.dumps({**meta, "history": result.history}, indent=2))
+    return path
+
+
+class LearnedReward:
+    """A trained reward model behind the RewardFunction interface (``reward=model:<path>``)."""
+
+    name = "model"
+
+    def __init__(self, model: PolicyValueModel, path: Path, cfg_like, normalize: str = "none", batch_size: int = 16):
+        if normalize not in NORMALIZATIONS:
+            raise ValueError(f"reward normalisation must be one of {NORMALIZATIONS}")
+        path = Path(path)
+        if not path.is_file():
+            raise ModelError(f"reward model file {path} does not exist")
+        _, meta = mx.load(str(path), return_metadata=True)
+        if meta.get("adapter") != REWARD:
+            raise ModelError(f"{path} is not a reward-model file (adapter={meta.get('adapter')!r})")
+        expected = layout(cfg_like)
+        wrong = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
+        if wrong:
+            raise ModelError(
+                f"reward model {path} was trained with a different LoRA layout: "
+                + ", ".join(f"{k} {a} (run uses {b})" for k, (a, b) in wrong.items())
+            )
+        model.load_adapter(REWARD, path)
+        self.model, self.normalize, self.batch_size = model, normalize, batch_size
+        self.mean, self.std = float(meta["score_mean"]), float(meta["score_std"])
+        self.name = f"model:{path.name}"
+
+    def __call__(self, prompts: list[str], responses: list[str], n_tokens: np.ndarray) -> np.ndarray:
+        scores = score_texts(self.model, prompts, responses, self.batch_size)
+        if self.normalize == "train":
+            return (scores - self.mean) / self.std
+        if self.normalize == "batch":
+            return (scores - scores.mean()) / (scores.std() + 1e-8)
+        return scores
+
+
+def reward_model_path(artifact_root: Path, name: str) -> Path:
+    return Path(artifact_root) / "reward_models" / f"{name}.safetensors"
+
+
+def train_from_file(
+    cfg_like, data_path: Path, name: str, *, epochs: int = 2, lr: float = 1e-3, batch_size: int = 8,
+    eval_fraction: float = 0.2, on_epoch: Callable[[dict[str, float]], None] | None = None,
+) -> dict:
+    """Load pairs, split by prompt, train, save ``<root>/reward_models/<name>.safetensors``."""
+    from ppo_core.models import load_policy_value_model
+
+    pairs = load_preferences(data_path)
+    train, held = split_pairs(pairs, eval_fraction, cfg_like.seed)
+    model = load_policy_value_model(cfg_like)
+    result = train_reward_model(model, train, held, epochs=epochs, lr=lr, batch_size=batch_size,
+                                seed=cfg_like.seed, on_epoch=on_epoch)
+    path = save_reward_model(model, reward_model_path(cfg_like.artifact_root, name), cfg_like, result)
+    return {"path": str(path), "train_pairs": train.height, "eval_pairs": held.height,
+            "train_accuracy": result.train_accuracy, "eval_accuracy": result.eval_accuracy, "history": result.history}
