@@ -23,16 +23,25 @@ def tracking_uri(cfg: PPOConfig) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(cfg.artifact_root / 'mlflow.db').resolve()}"
 
 
-def _mlflow(cfg: PPOConfig):
+def client(cfg: PPOConfig):
+    """An MlflowClient bound to this config's store.
+
+    Never ``mlflow.set_tracking_uri``: it also exports MLFLOW_TRACKING_URI into
+    the environment, so one run's store would capture every later run in the
+    process (a worker serving several artifact roots, or a test session).
+    """
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    import mlflow
+    from mlflow import MlflowClient
 
     cfg.artifact_root.mkdir(parents=True, exist_ok=True)
-    mlflow.set_tracking_uri(tracking_uri(cfg))
-    if mlflow.get_experiment_by_name(EXPERIMENT) is None:
-        mlflow.create_experiment(EXPERIMENT, artifact_location=(cfg.artifact_root / "mlruns").resolve().as_uri())
-    mlflow.set_experiment(EXPERIMENT)
-    return mlflow
+    return MlflowClient(tracking_uri=tracking_uri(cfg))
+
+
+def _experiment_id(cfg: PPOConfig, mlf, name: str = EXPERIMENT) -> str:
+    exp = mlf.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    return mlf.create_experiment(name, artifact_location=(cfg.artifact_root / "mlruns").resolve().as_uri())
 
 
 def _flat_params(cfg: PPOConfig) -> dict[str, str]:
@@ -41,14 +50,15 @@ def _flat_params(cfg: PPOConfig) -> dict[str, str]:
 
 def ensure_run(cfg: PPOConfig) -> str:
     """The MLflow run id of PPO run ``cfg.run``, created on first use."""
-    mlflow = _mlflow(cfg)
-    client = mlflow.MlflowClient()
-    exp = mlflow.get_experiment_by_name(EXPERIMENT)
-    found = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{cfg.run}'", max_results=1)
+    from mlflow.entities import Param
+
+    mlf = client(cfg)
+    exp_id = _experiment_id(cfg, mlf)
+    found = mlf.search_runs([exp_id], filter_string=f"tags.`{RUN_TAG}` = '{cfg.run}'", max_results=1)
     if found:
         return found[0].info.run_id
-    run = client.create_run(exp.experiment_id, run_name=cfg.run, tags={RUN_TAG: cfg.run})
-    client.log_batch(run.info.run_id, params=[mlflow.entities.Param(k, v) for k, v in _flat_params(cfg).items()])
+    run = mlf.create_run(exp_id, run_name=cfg.run, tags={RUN_TAG: cfg.run})
+    mlf.log_batch(run.info.run_id, params=[Param(k, v) for k, v in _flat_params(cfg).items()])
     return run.info.run_id
 
 
@@ -56,12 +66,11 @@ def log_iteration(
     cfg: PPOConfig, iteration: int, metrics: dict[str, float], step_rows: list[dict[str, Any]], iter_dir: Path
 ) -> None:
     """Per-iteration metrics at step=iteration; per-optimiser-step metrics at a global step."""
-    mlflow = _mlflow(cfg)
     from mlflow.entities import Metric
 
-    client = mlflow.MlflowClient()
+    mlf = client(cfg)
     run_id = ensure_run(cfg)
-    logged = client.get_run(run_id).data.tags.get("last_iteration")
+    logged = mlf.get_run(run_id).data.tags.get("last_iteration")
     if logged is not None and int(logged) >= iteration:
         return  # a resumed run re-finalising an iteration must not duplicate its steps
     now = int(time.time() * 1000)
@@ -70,22 +79,22 @@ def log_iteration(
         gstep = int(row["global_step"])
         batch += [Metric(f"step/{k}", float(row[k]), now, gstep) for k in ("policy_loss", "value_loss", "approx_kl", "clip_fraction")]
     for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 entities
-        client.log_batch(run_id, metrics=batch[i : i + 900])
-    client.set_tag(run_id, f"iter.{iteration:04d}.parquet", str(iter_dir.resolve()))
-    client.set_tag(run_id, "last_iteration", str(iteration))
+        mlf.log_batch(run_id, metrics=batch[i : i + 900])
+    mlf.set_tag(run_id, f"iter.{iteration:04d}.parquet", str(iter_dir.resolve()))
+    mlf.set_tag(run_id, "last_iteration", str(iteration))
     ckpt = iter_dir / "checkpoint"
     for name in ("policy_adapter.safetensors", "value_adapter.safetensors"):
         if (ckpt / name).is_file():
-            client.log_artifact(run_id, str(ckpt / name), artifact_path=f"adapters/iter={iteration:04d}")
-    _log_table_inputs(client, run_id, iter_dir, iteration)
+            mlf.log_artifact(run_id, str(ckpt / name), artifact_path=f"adapters/iter={iteration:04d}")
+    _log_table_inputs(mlf, run_id, iter_dir, iteration)
     if (iter_dir / "eval.parquet").is_file():
         import pyarrow.parquet as pq
 
         samples = pq.read_table(iter_dir / "eval.parquet", columns=["prompt_id", "prompt", "response", "score"])
-        client.log_table(run_id, data=samples.to_pandas(), artifact_file=f"samples/iter={iteration:04d}.json")
+        mlf.log_table(run_id, data=samples.to_pandas(), artifact_file=f"samples/iter={iteration:04d}.json")
 
 
-def _log_table_inputs(client, run_id: str, iter_dir: Path, iteration: int) -> None:
+def _log_table_inputs(mlf, run_id: str, iter_dir: Path, iteration: int) -> None:
     """Record each experience table as an MLflow dataset input: source = its path, digest = its hash.
 
     The manifest already holds the content hashes, so no table is read here.
@@ -108,45 +117,39 @@ def _log_table_inputs(client, run_id: str, iter_dir: Path, iteration: int) -> No
         ds = MetaDataset(source=LocalArtifactDatasetSource(str(path.resolve())), name=f"{path.stem}@iter={iteration:04d}", digest=digest[:16])
         inputs.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")]))
     if inputs:
-        client.log_inputs(run_id, datasets=inputs)
+        mlf.log_inputs(run_id, datasets=inputs)
 
 
 def set_status(cfg: PPOConfig, status: str, reason: str | None = None) -> None:
     """status: RUNNING, FINISHED or FAILED (with the reason as a tag)."""
-    mlflow = _mlflow(cfg)
-    client = mlflow.MlflowClient()
+    mlf = client(cfg)
     run_id = ensure_run(cfg)
     if reason:
-        client.set_tag(run_id, "failure_reason", reason[:5000])
+        mlf.set_tag(run_id, "failure_reason", reason[:5000])
     if status == "RUNNING":
-        client.update_run(run_id, status="RUNNING")
+        mlf.update_run(run_id, status="RUNNING")
     else:
-        client.set_terminated(run_id, status=status)
+        mlf.set_terminated(run_id, status=status)
 
 
 def run_metrics(cfg: PPOConfig) -> dict[str, list[tuple[int, float]]]:
     """{metric: [(step, value), ...]} of the PPO run (for tests and reports)."""
-    mlflow = _mlflow(cfg)
-    client = mlflow.MlflowClient()
-    run = client.get_run(ensure_run(cfg))
-    return {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] for k in run.data.metrics}
+    mlf = client(cfg)
+    run = mlf.get_run(ensure_run(cfg))
+    return {k: [(m.step, m.value) for m in mlf.get_metric_history(run.info.run_id, k)] for k in run.data.metrics}
 
 
 def log_reward_model(cfg: PPOConfig, name: str, params: dict[str, Any], result: dict[str, Any]) -> str:
     """One MLflow run per reward-model training in experiment 'reward-model'."""
-    mlflow = _mlflow(cfg)
     from mlflow.entities import Metric, Param
 
-    client = mlflow.MlflowClient()
-    exp = client.get_experiment_by_name("reward-model") or client.get_experiment(
-        client.create_experiment("reward-model", artifact_location=(cfg.artifact_root / "mlruns").resolve().as_uri())
-    )
-    run = client.create_run(exp.experiment_id, run_name=name, tags={"reward_model.name": name})
+    mlf = client(cfg)
+    run = mlf.create_run(_experiment_id(cfg, mlf, "reward-model"), run_name=name, tags={"reward_model.name": name})
     now = int(time.time() * 1000)
     flat = {**{k: str(v) for k, v in params.items()}, **{k: str(v) for k, v in cfg.to_json_dict().items() if k.startswith("lora") or k in ("model", "seed")}}
     metrics = [Metric(k, float(row[k]), now, int(row["epoch"])) for row in result["history"] for k in ("loss", "train_accuracy", "eval_accuracy")]
     metrics += [Metric(k, float(result[k]), now, 0) for k in ("train_pairs", "eval_pairs")]
-    client.log_batch(run.info.run_id, metrics=metrics, params=[Param(k, v) for k, v in flat.items()])
-    client.log_artifact(run.info.run_id, result["path"], artifact_path="reward_model")
-    client.set_terminated(run.info.run_id, "FINISHED")
+    mlf.log_batch(run.info.run_id, metrics=metrics, params=[Param(k, v) for k, v in flat.items()])
+    mlf.log_artifact(run.info.run_id, result["path"], artifact_path="reward_model")
+    mlf.set_terminated(run.info.run_id, "FINISHED")
     return run.info.run_id

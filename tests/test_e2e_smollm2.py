@@ -37,6 +37,13 @@ def _nll_per_token(model, text: str) -> float:
     return -float(mx.mean(lp).item())
 
 
+def _conditional_nll(model, prompts: list[list[int]], responses: list[list[int]]) -> float:
+    b = make_batch(prompts, responses, model.pad_token_id)
+    lp, _ = token_logprobs(model, b, None, 1.0, with_entropy=False)
+    mask = np.array(b.mask)
+    return -float((np.array(lp) * mask).sum() / mask.sum())
+
+
 def test_conversion_gives_a_fluent_model(smollm2):
     # a correctly converted LM finds English far likelier than the same words scrambled
     english, scrambled = _nll_per_token(smollm2, ENGLISH), _nll_per_token(smollm2, SCRAMBLED)
@@ -79,15 +86,20 @@ def test_one_iteration_of_the_flow_on_smollm2(tmp_path):
     ppo(run="e2e", iterations=1, overrides=overrides)
     cfg = PPOConfig(run="e2e", **overrides)
     con = connect(cfg.artifact_root)
-    n_tokens = con.execute("select sum(len(response_token_ids)) from rollouts").fetchone()[0]
+    n_tokens = con.sql("select sum(len(response_token_ids)) from rollouts").fetchall()[0][0]
     for table in ("sa_pairs", "rewards", "advantages"):
-        assert con.execute(f"select count(*) from {table} where iter = 1").fetchone()[0] == n_tokens
-    responses = con.sql("select response from rollouts").pl()["response"].to_list()
-    assert all(r.strip() for r in responses)
-    # responses are fluent: the reference model finds them likely
+        assert con.sql(f"select count(*) from {table} where iter = 1").fetchall()[0][0] == n_tokens
+    rollouts = con.sql("select prompt_token_ids, response_token_ids, response from rollouts").pl()
+    assert all(r.strip() for r in rollouts["response"])
+    # responses are fluent: given its prompt, the reference model finds each response far likelier
+    # than the same tokens in a shuffled order (sampling at T=1 keeps the absolute NLL noisy)
     model = load_policy_value_model(cfg)
-    nll = np.mean([_nll_per_token(model, r) for r in responses if len(r.split()) >= 3])
-    assert nll < 4.0, (nll, responses)
+    prompts = [list(p) for p in rollouts["prompt_token_ids"]]
+    responses = [list(r) for r in rollouts["response_token_ids"]]
+    rng = np.random.default_rng(0)
+    shuffled = [list(rng.permutation(r)) for r in responses]
+    nll, nll_shuffled = (_conditional_nll(model, prompts, rs) for rs in (responses, shuffled))
+    assert nll < 4.5 and nll_shuffled > nll + 1.0, (nll, nll_shuffled, rollouts["response"].to_list())
     history = track.run_metrics(cfg)
     assert [s for s, _ in history["reward/score"]] == [1]
     assert all(math.isfinite(v) for _, v in history["train/policy_loss"])

@@ -44,20 +44,18 @@ def test_flow_runs_resumes_and_tracks(flow_overrides, tmp_path):
     # running again extends the run by one iteration; the MLflow run is re-attached, not duplicated
     ppo(run="flowtest", iterations=1, overrides=flow_overrides)
     assert completed_iterations(cfg) == [0, 1, 2, 3]
-    import mlflow
-
-    mlflow.set_tracking_uri(track.tracking_uri(cfg))
-    runs = mlflow.search_runs(experiment_names=[track.EXPERIMENT], output_format="list")
+    mlf = track.client(cfg)
+    runs = mlf.search_runs([mlf.get_experiment_by_name(track.EXPERIMENT).experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     history = track.run_metrics(cfg)
     assert [s for s, _ in history["reward/score"]] == [1, 2, 3]
-    run = mlflow.get_run(runs[0].info.run_id)
+    run = mlf.get_run(runs[0].info.run_id)
     names = {d.dataset.name for d in run.inputs.dataset_inputs}
     assert {"rollouts@iter=0001", "advantages@iter=0003", "sa_pairs@iter=0002"} <= names
     digests = {d.dataset.name: d.dataset.digest for d in run.inputs.dataset_inputs}
     manifest1 = json.loads((cfg.iter_dir(1) / "manifest.json").read_text())
     assert digests["rollouts@iter=0001"] == manifest1["artifacts"]["iter=0001/rollouts.parquet"][:16]
-    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(runs[0].info.run_id, "samples")}
+    artifacts = {a.path for a in mlf.list_artifacts(runs[0].info.run_id, "samples")}
     assert "samples/iter=0003.json" in artifacts
     manifest = json.loads((cfg.iter_dir(3) / "manifest.json").read_text())
     assert manifest["phases"]["rollout"]["cached"] is False
@@ -104,10 +102,9 @@ def test_failed_flow_marks_the_mlflow_run_failed_with_the_reason(flow_overrides,
     with pytest.raises(Exception, match="scorer offline"):
         ppo(run="doomed", iterations=1, overrides=flow_overrides)
     cfg = load_config(overrides={**flow_overrides, "run": "doomed"})
-    import mlflow
-
-    mlflow.set_tracking_uri(track.tracking_uri(cfg))
-    [run] = mlflow.search_runs(experiment_names=[track.EXPERIMENT], filter_string="tags.`ppo.run` = 'doomed'", output_format="list")
+    mlf = track.client(cfg)
+    exp_id = mlf.get_experiment_by_name(track.EXPERIMENT).experiment_id
+    [run] = mlf.search_runs([exp_id], filter_string="tags.`ppo.run` = 'doomed'")
     assert run.info.status == "FAILED"
     assert "scorer offline" in run.data.tags["failure_reason"]
     # the phases before the failure are kept, so a re-run resumes from them
