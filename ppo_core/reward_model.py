@@ -184,6 +184,11 @@ class LearnedReward:
         _, meta = mx.load(str(path), return_metadata=True)
         if meta.get("adapter") != REWARD:
             raise ModelError(f"{path} is not a reward-model file (adapter={meta.get('adapter')!r})")
+        if meta.get("model_dir") not in (None, model.model_dir.name):
+            raise ModelError(
+                f"reward model {path} was trained on base model {meta['model_dir']!r}, "
+                f"but this run uses {model.model_dir.name!r}; train one on this model with `ppo reward-model`"
+            )
         expected = layout(cfg_like)
         wrong = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
         if wrong:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import numpy as np
 import polars as pl
 import pytest
@@ -68,7 +69,7 @@ def test_learned_reward_in_the_reward_phase(trained, tiny_cfg):
     assert P.reward(run_cfg, 1, ro.path("rollouts"), sa.path("sa_pairs")).cached
 
 
-def test_learned_reward_orders_texts_and_checks_its_layout(trained, tiny_cfg):
+def test_learned_reward_orders_texts_and_checks_its_layout(trained, tiny_cfg, tmp_path):
     cfg, result = trained
     fn = LearnedReward(load_policy_value_model(cfg), result["path"], cfg)
     good, bad = fn(["Tell me about the sea."] * 2, ["I love the sea, it is great and wonderful.",
@@ -77,6 +78,11 @@ def test_learned_reward_orders_texts_and_checks_its_layout(trained, tiny_cfg):
     with pytest.raises(ModelError, match="different LoRA layout: lora_rank 8 \\(run uses 4\\)"):
         other = tiny_cfg(lora_rank=4)
         LearnedReward(load_policy_value_model(other), result["path"], other)
+    weights, meta = mx.load(str(result["path"]), return_metadata=True)
+    foreign = tmp_path / "foreign.safetensors"
+    mx.save_safetensors(str(foreign), weights, metadata={**meta, "model_dir": "llama-70b"})
+    with pytest.raises(ModelError, match="trained on base model 'llama-70b', but this run uses 'tiny'"):
+        LearnedReward(load_policy_value_model(cfg), foreign, cfg)
 
 
 def test_missing_reward_model_and_bad_preference_files(tiny_cfg, tmp_path):
