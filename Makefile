@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock | cksum | cut -d' ' -f1)
 ITERATIONS ?= 3
 
-.PHONY: setup train test test-fast bench doctor clean
+.PHONY: setup browser train test test-fast bench doctor clean
 
 setup: $(STAMP)
 
@@ -23,10 +23,17 @@ $(STAMP): pyproject.toml requirements.lock
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# Debian's Chromium for the browser tests of the MLflow UI and the HTML report (Playwright drives it).
+browser:
+	@if [ "$$(uname -s)" = Linux ] && ! command -v chromium >/dev/null; then \
+		echo "installing chromium (browser tests)"; \
+		$$( [ "$$(id -u)" = 0 ] || echo sudo ) sh -c 'apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium)'; \
+	fi
+
 train: setup
 	$(VENV)/bin/ppo train --iterations $(ITERATIONS)
 
-test: setup
+test: setup browser
 	$(VENV)/bin/pytest
 
 test-fast: setup
