@@ -51,3 +51,35 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+# Screenshots and other things a person may want to look at after a test run (gitignored).
+TEST_ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+
+CHROMIUM_FLAGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync",
+]
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """Debian's headless Chromium driven by Playwright (``make test`` installs it; never a downloaded browser)."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.fail("chromium is not installed: run `make test` (it installs Debian's chromium) or apt-get install chromium")
+    TEST_ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe, headless=True, args=CHROMIUM_FLAGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="session")
+def test_artifacts() -> Path:
+    TEST_ARTIFACTS.mkdir(exist_ok=True)
+    return TEST_ARTIFACTS
