@@ -173,8 +173,13 @@ def ui(
     import subprocess
 
     cfg = load_config(overrides={"artifact_root": str(root)})
-    from ppo_core.track import tracking_uri
+    from ppo_core.track import EXPERIMENT, client, tracking_uri
 
+    exp = client(cfg).get_experiment_by_name(EXPERIMENT)
+    if exp is not None:
+        # MLflow 3 opens experiments on its GenAI pages; PPO runs live under "Model training"
+        typer.echo(f"PPO runs, charts overlaid: http://{host}:{port}/#/experiments/{exp.experiment_id}/runs"
+                   "?workflowType=machine_learning&compareRunsMode=CHART")
     subprocess.run(
         [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(cfg), "--host", host, "--port", str(port)],
         check=False,
