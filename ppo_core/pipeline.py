@@ -1,15 +1,17 @@
 """The order of one PPO iteration's phases, independent of who runs them.
 
 ``run_iteration`` takes a ``call(phase, fn, *args)`` adaptor: the Prefect flow
-passes one that runs each phase as a task; ``run`` (below) calls the phase
-functions directly, for notebooks and scripts without Prefect.
+passes one that runs each phase as a task; by default the phase functions are
+called directly, for notebooks and scripts without Prefect. ``run`` trains
+without MLflow; ``run_tracked`` is what the flow does: the same iterations,
+each logged to the run's MLflow run, and the last policy registered.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from ppo_core import phases, runs
+from ppo_core import phases, runs, track
 from ppo_core.config import PPOConfig
 from ppo_core.phases import checkpoint_dir
 
@@ -54,3 +56,46 @@ def run(cfg: PPOConfig, iterations: int, call: Call = direct_call) -> dict[int, 
         start(cfg, call)
         first = runs.next_iteration(cfg)
         return {it: run_iteration(cfg, it, call) for it in range(first, first + iterations)}
+
+
+def run_tracked(
+    cfg: PPOConfig, iterations: int, call: Call = direct_call, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Run the next ``iterations`` iterations of ``cfg.run`` with MLflow tracking.
+
+    Each finished iteration is logged at step = iteration; the MLflow run ends
+    FINISHED, or FAILED with the reason as tag ``failure_reason``. On success
+    the last iteration's policy adapter becomes a version of registered model
+    ``ppo-<run>``.
+    """
+    runs.check_inputs(cfg)
+    with runs.run_lock(cfg):
+        runs.pin_config(cfg)
+        track.ensure_run(cfg)
+        track.set_status(cfg, "RUNNING")
+        try:
+            baseline = start(cfg, call)
+            track.log_iteration(cfg, 0, runs.iteration_metrics(baseline), [], cfg.iter_dir(0))
+            first = runs.next_iteration(cfg)
+            done: dict[int, dict[str, float]] = {}
+            for iteration in range(first, first + iterations):
+                metrics = runs.iteration_metrics(run_iteration(cfg, iteration, call))
+                track.log_iteration(cfg, iteration, metrics, runs.step_rows(cfg, iteration), cfg.iter_dir(iteration))
+                done[iteration] = metrics
+                log(
+                    f"iteration {iteration}: score {metrics.get('reward/score', float('nan')):.3f}  "
+                    f"kl {metrics.get('reward/kl', float('nan')):.3f}  "
+                    f"eval {metrics.get('evaluate/eval_score', float('nan')):.3f}"
+                )
+            version = track.register_policy(cfg, first + iterations - 1)
+            log(f"registered policy of iteration {first + iterations - 1} as {version.name} version {version.version}")
+        except BaseException as exc:
+            track.set_status(cfg, "FAILED", f"{type(exc).__name__}: {exc}")
+            raise
+        track.set_status(cfg, "FINISHED")
+    return {
+        "run": cfg.run,
+        "iterations": done,
+        "artifact_root": str(cfg.artifact_root),
+        "registered_model": {"name": version.name, "version": int(version.version)},
+    }
