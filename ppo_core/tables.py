@@ -8,6 +8,7 @@ row per generated token; no row ever stores the state text (quadratic).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -118,6 +119,19 @@ class ArtifactWriteError(OSError):
     """An artifact could not be written (disk full, not writable); nothing was replaced."""
 
 
+@functools.cache
+def _new_file_mode() -> int:
+    """The mode ``open()`` gives a new file under this process's umask.
+
+    mkstemp creates 0600 files; artifacts keep the usual mode instead, so a
+    tracking server or a teammate under another account can read the store.
+    Read once: the umask can only be read by setting it.
+    """
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 @contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
     """Yield a temporary path beside ``final``; rename onto it only on success.
@@ -135,6 +149,7 @@ def atomic_path(final: Path) -> Iterator[Path]:
     tmp = Path(tmp_name)
     try:
         try:
+            os.chmod(tmp, _new_file_mode())
             yield tmp
             failpoint("table.write")  # the temporary file is complete, the final name not yet taken
             with open(tmp, "rb") as fh:

@@ -98,6 +98,17 @@ def test_atomic_path_success(tmp_path: Path):
     assert [p.name for p in final.parent.iterdir()] == ["out.txt"]
 
 
+def test_artifacts_get_the_mode_of_a_plain_open_not_mkstemps_0600(tmp_path: Path):
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")  # what the user's umask gives any new file
+    written = write_table(tmp_path, "values", sample_table(SCHEMAS["values"]))
+    atomic_write_text(tmp_path / "manifest.json", "{}")
+    expected = plain.stat().st_mode & 0o777
+    assert expected & 0o044, "the test needs a umask that lets group/others read"
+    for path in (written, tmp_path / "manifest.json"):
+        assert path.stat().st_mode & 0o777 == expected, path
+
+
 def test_atomic_path_failure_leaves_nothing(tmp_path: Path):
     final = tmp_path / "out.parquet"
     with pytest.raises(RuntimeError, match="boom"):
