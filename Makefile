@@ -36,7 +36,7 @@ train: setup
 test: setup browser
 	$(VENV)/bin/pytest
 
-test-fast: setup
+test-fast: setup browser
 	$(VENV)/bin/pytest -m "not slow"
 
 bench: setup

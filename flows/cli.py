@@ -1,4 +1,4 @@
-"""`ppo` command line: train, sql, doctor, ui."""
+"""`ppo` command line: train, reward-model, sql, report, generate, doctor, serve, ui."""
 
 from __future__ import annotations
 
@@ -129,6 +129,50 @@ def _shell(con) -> None:
         except duckdb.Error as exc:
             typer.secho(f"error: {exc}", fg="red", err=True)
         buf = ""
+
+
+@app.command()
+def report(
+    run: str = typer.Option("default", help="run name"),
+    root: Path = typer.Option(DEFAULT_ROOT, help="artifact root"),
+    iteration: Optional[int] = typer.Option(None, help="iteration of the advantage heatmap and eval samples (default: last)"),
+    rollouts: int = typer.Option(6, min=2, max=200, help="rollouts shown token by token (half highest, half lowest score)"),
+    output: Optional[Path] = typer.Option(None, help="default: <root>/run=<run>/report.html"),
+) -> None:
+    """Write a self-contained HTML report of a run: curves, numbers, advantage heatmaps, eval samples."""
+    from ppo_core.report import build_report
+
+    try:
+        path = build_report(root, run, output=output, n_heatmap=rollouts, iteration=iteration)
+    except (ValueError, OSError) as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"report: {path.resolve().as_uri()}")
+
+
+@app.command()
+def generate(
+    prompts: list[str] = typer.Argument(..., help="one or more user prompts"),
+    run: str = typer.Option("default", help="run whose registered model ppo-<run> is loaded"),
+    version: str = typer.Option("latest", help="registered model version number, or 'latest'"),
+    root: Path = typer.Option(DEFAULT_ROOT, help="artifact root (holds the run's config and the MLflow store)"),
+    max_new_tokens: int = typer.Option(60, min=1, max=2048),
+    temperature: float = typer.Option(0.0, min=0.0, max=10.0, help="0 = greedy"),
+    seed: int = typer.Option(0, min=0),
+) -> None:
+    """Answer prompts with a registered policy (an MLflow model version of ppo-<run>)."""
+    from ppo_core import registry
+    from ppo_core.track import RegistryError
+
+    try:
+        cfg = registry.run_config(run, root)
+        model = registry.load_registered_policy(cfg, version)
+    except (ConfigError, RegistryError) as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2)
+    answers = registry.generate_text(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    for prompt, answer in zip(prompts, answers):
+        typer.echo(f"> {prompt}\n{answer}\n")
 
 
 @app.command()

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from ppo_core import phases, runs, track
 from ppo_core.config import PPOConfig
 from ppo_core.phases import checkpoint_dir
+from ppo_core.report import build_report
 
 Call = Callable[..., dict[str, Any]]
 
@@ -66,7 +67,7 @@ def run_tracked(
     Each finished iteration is logged at step = iteration; the MLflow run ends
     FINISHED, or FAILED with the reason as tag ``failure_reason``. On success
     the last iteration's policy adapter becomes a version of registered model
-    ``ppo-<run>``.
+    ``ppo-<run>`` and the run's HTML report is rebuilt and logged.
     """
     runs.check_inputs(cfg)
     with runs.run_lock(cfg):
@@ -89,6 +90,9 @@ def run_tracked(
                 )
             version = track.register_policy(cfg, first + iterations - 1)
             log(f"registered policy of iteration {first + iterations - 1} as {version.name} version {version.version}")
+            report_path = build_report(cfg.artifact_root, cfg.run)
+            track.log_report(cfg, report_path)
+            log(f"report: {report_path}")
         except BaseException as exc:
             track.set_status(cfg, "FAILED", f"{type(exc).__name__}: {exc}")
             raise
@@ -98,4 +102,5 @@ def run_tracked(
         "iterations": done,
         "artifact_root": str(cfg.artifact_root),
         "registered_model": {"name": version.name, "version": int(version.version)},
+        "report": str(report_path),
     }

@@ -107,6 +107,11 @@ def log_iteration(
         mlf.log_table(run_id, data=samples.to_pandas(), artifact_file=f"samples/iter={iteration:04d}.json")
 
 
+def log_report(cfg: PPOConfig, path: Path) -> None:
+    """The run's HTML report as artifact ``report.html`` (replaced by each flow run); MLflow's viewer shows it."""
+    client(cfg).log_artifact(ensure_run(cfg), str(path))
+
+
 def adapter_artifact_dir(iteration: int) -> str:
     """Run-relative artifact folder holding an iteration's adapters."""
     return f"adapters/iter={iteration:04d}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -42,7 +43,7 @@ def test_flow_runs_resumes_and_tracks(flow_overrides, tmp_path):
     assert steps == sorted(set(steps)) and len(steps) == 2 * cfg.ppo_epochs * cfg.num_minibatches
 
     # running again extends the run by one iteration; the MLflow run is re-attached, not duplicated
-    ppo(run="flowtest", iterations=1, overrides=flow_overrides)
+    summary = ppo(run="flowtest", iterations=1, overrides=flow_overrides)
     assert completed_iterations(cfg) == [0, 1, 2, 3]
     mlf = track.client(cfg)
     runs = mlf.search_runs([mlf.get_experiment_by_name(track.EXPERIMENT).experiment_id])
@@ -59,6 +60,12 @@ def test_flow_runs_resumes_and_tracks(flow_overrides, tmp_path):
     assert "samples/iter=0003.json" in artifacts
     manifest = json.loads((cfg.iter_dir(3) / "manifest.json").read_text())
     assert manifest["phases"]["rollout"]["cached"] is False
+
+    # the HTML report is rebuilt by each flow run (now covering iterations 0-3) and logged on the MLflow run
+    report = cfg.run_dir / "report.html"
+    assert summary["report"] == str(report) and '<b id="iterations">0\u20133</b>' in report.read_text()
+    logged = mlf.download_artifacts(runs[0].info.run_id, "report.html", str(tmp_path))
+    assert Path(logged).read_bytes() == report.read_bytes()
 
     # `ppo sql` answers over the artifact root
     result = CliRunner().invoke(
