@@ -8,11 +8,13 @@ adapter of each flow run becomes a version of registered model ``ppo-<run>``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from ppo_core.config import PPOConfig
 
@@ -256,10 +258,11 @@ def download_policy(cfg: PPOConfig, version: int | str, dst_dir: Path):
     mv = policy_version(cfg, version)
     where = f"registered model '{mv.name}' version {mv.version} ({mv.source})"
     try:
-        local = mlflow.artifacts.download_artifacts(
-            artifact_uri=f"{mv.source}/{POLICY_FILE}", dst_path=str(dst_dir),
-            tracking_uri=tracking_uri(cfg), registry_uri=registry_uri(cfg),
-        )
+        with _quiet_download():
+            local = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"{mv.source}/{POLICY_FILE}", dst_path=str(dst_dir),
+                tracking_uri=tracking_uri(cfg), registry_uri=registry_uri(cfg),
+            )
     except (MlflowException, OSError) as exc:
         raise RegistryError(f"cannot download the policy adapter of {where}: {exc}") from exc
     recorded = mv.tags.get("adapter_sha256")
@@ -269,6 +272,13 @@ def download_policy(cfg: PPOConfig, version: int | str, dst_dir: Path):
             f"adapter_sha256 {recorded[:12]}…): the artifact was altered or replaced"
         )
     return mv, Path(local)
+
+
+@contextlib.contextmanager
+def _quiet_download():
+    """No MLflow progress bar for the one small adapter file: it would land in `ppo generate`'s output."""
+    with mock.patch.dict(os.environ, {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}):
+        yield
 
 
 def _all_versions(mlf, name: str) -> list:
@@ -328,7 +338,7 @@ def _artifact_sha256(mlf, run_id: str, path: str) -> str:
 
     from ppo_core.tables import sha256_file
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _quiet_download():
         return sha256_file(Path(mlf.download_artifacts(run_id, path, tmp)))
 
 

@@ -159,3 +159,20 @@ def test_the_prefect_flow_registers_its_final_policy(tiny_cfg):
     mv = track.policy_version(cfg, "latest")
     assert int(mv.version) == 1 and mv.tags["iteration"] == "1"
     assert registry.generate_text(registry.load_registered_policy(cfg), ["Hello!"], max_new_tokens=4)
+
+
+def test_ppo_generate_answers_with_a_registered_version_and_names_a_missing_one(two_flow_runs):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    cfg, _, _ = two_flow_runs
+    args = ["generate", PROMPTS[0], PROMPTS[1], "--run", "reg", "--root", str(cfg.artifact_root), "--max-new-tokens", "5"]
+    result = CliRunner().invoke(app, [*args, "--version", "1"])
+    assert result.exit_code == 0, result.output
+    expected = registry.generate_text(registry.load_registered_policy(registry.run_config("reg", cfg.artifact_root), 1),
+                                      PROMPTS[:2], max_new_tokens=5)
+    assert result.output == "".join(f"> {p}\n{a}\n\n" for p, a in zip(PROMPTS[:2], expected))
+
+    missing = CliRunner().invoke(app, [*args, "--version", "9"])
+    assert missing.exit_code == 2 and "'ppo-reg' has no version 9 (it has [1, 2])" in missing.output
