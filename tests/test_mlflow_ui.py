@@ -125,4 +125,18 @@ def test_chart_view_overlays_both_runs_and_compare_page_shows_beta(mlflow_ui, tw
     for metric in ("reward/kl", "reward/score", "attribute/entropy", "advantage/explained_variance"):
         assert page.get_by_text(metric, exact=True).count() >= 1, metric
     page.screenshot(path=str(test_artifacts / "mlflow-compare.png"), full_page=True)
+
+    # each run's registered policy: the model page lists the version with its provenance tags
+    page.goto(f"{url}/#/models/ppo-{names[0]}")
+    page.get_by_text("Version 1", exact=True).wait_for(timeout=60_000)
+    body = page.inner_text("body")
+    assert "iteration" in body and "adapter_sha256" in body and "lora_rank" in body, body[:3000]
+    page.screenshot(path=str(test_artifacts / "mlflow-registered-model.png"), full_page=True)
+
+    # the run's HTML report, logged by the flow, opens in MLflow's artifact viewer
+    page.goto(f"{url}/#/experiments/{exp_id}/runs/{runs[names[1]].info.run_id}/artifacts/report.html")
+    report = page.frame_locator("iframe").first
+    report.get_by_text(f"PPO run {names[1]}").wait_for(timeout=60_000)
+    assert report.locator("#fig-batch-heatmap svg").count() == 1
+    page.screenshot(path=str(test_artifacts / "mlflow-report-artifact.png"), full_page=True)
     assert errors == []
