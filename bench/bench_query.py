@@ -1,7 +1,7 @@
 """Benchmark: DuckDB queries of docs/queries.md over a large synthetic artifact store.
 
 Writes ``--iterations`` x ``--tokens`` random token rows (default 50 x 100k = 5M)
-of sa_pairs, rewards and advantages for run 'x' with ``write_table`` into a
+of sa_pairs, rewards and advantages (and their rollouts) for run 'x' with ``write_table`` into a
 temporary directory (vectorised NumPy/PyArrow, no per-token Python), then times
 each query (median of ``--repeat`` runs, plus the first run) and prints JSON.
 Usage: python bench/bench_query.py [--iterations 50] [--tokens 100000] [--threads 2]
@@ -10,12 +10,14 @@ Usage: python bench/bench_query.py [--iterations 50] [--tokens 100000] [--thread
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import ppo_core  # noqa: F401  (OpenBLAS before mlx)
 
@@ -79,43 +81,82 @@ def token_rows(rng: np.random.Generator, n: int, mean_len: int = 128) -> dict[st
     }  # fmt: skip
 
 
+def rollout_rows(cols: dict[str, pa.Array | np.ndarray], iteration: int) -> dict[str, pa.Array | np.ndarray]:
+    """The rollouts table of ``token_rows``' tokens: one row per rollout, built from list offsets."""
+    lengths = np.bincount(cols["rollout_id"])
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    n = len(lengths)
+    prompt_ids = pa.ListArray.from_arrays(pa.array(np.arange(0, 8 * n + 1, 8, dtype=np.int32)), pa.array(np.zeros(8 * n, np.int32)))
+    return {
+        "rollout_id": np.arange(n, dtype=np.int32),
+        "prompt_id": pc.binary_join_element_wise("p-", pa.array(np.arange(n).astype(str)), ""),
+        "prompt": pa.array(["Tell me something nice."] * n),
+        "response": pc.binary_join(pa.ListArray.from_arrays(offsets, cols["token"]), ""),
+        "prompt_token_ids": prompt_ids,
+        "response_token_ids": pa.ListArray.from_arrays(offsets, pa.array(cols["token_id"])),
+        "finish_reason": pa.array(["eos"] * n),
+        "sampling_logprobs": pa.ListArray.from_arrays(offsets, pa.array(cols["logprob"])),
+        "seed": np.full(n, iteration, dtype=np.int64),
+    }
+
+
 def build(root: Path, iterations: int, tokens: int, seed: int = 0) -> int:
+    """Iterations 1..N of run 'x': the four experience tables and a manifest each (so reports count them done)."""
     rng = np.random.default_rng(seed)
     for it in range(1, iterations + 1):
         cols = token_rows(rng, tokens)
         iter_dir = root / f"run={RUN}" / f"iter={it:04d}"
         for name in ("sa_pairs", "rewards", "advantages"):
             write_table(iter_dir, name, cols)  # write_table keeps only the table's own columns
+        write_table(iter_dir, "rollouts", rollout_rows(cols, it))
+        (iter_dir / "manifest.json").write_text(json.dumps({"run": RUN, "iteration": it}))
     return iterations * tokens
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def store_arguments(description: str, repeat: int) -> argparse.ArgumentParser:
+    """The options every benchmark over the synthetic store shares."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--iterations", type=int, default=50)
     ap.add_argument("--tokens", type=int, default=100_000, help="token rows per iteration")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="DuckDB threads (default: DuckDB's)")
+    ap.add_argument("--repeat", type=int, default=repeat)
     ap.add_argument("--root", type=Path, default=None, help="reuse/keep the store here instead of a temp dir")
-    args = ap.parse_args()
+    return ap
 
-    root = args.root or Path(tempfile.mkdtemp(prefix="ppo-bench-query-"))
+
+@contextlib.contextmanager
+def synthetic_store(root: Path | None, iterations: int, tokens: int) -> Iterator[tuple[Path, float]]:
+    """(store root, seconds spent building it); a temporary store is deleted afterwards, a given one kept."""
+    path = root or Path(tempfile.mkdtemp(prefix="ppo-bench-store-"))
     try:
         t0 = time.perf_counter()
-        if not any(root.glob("run=*/iter=*/advantages.parquet")):
-            build(root, args.iterations, args.tokens)
-        build_s = time.perf_counter() - t0
+        if not any(path.glob("run=*/iter=*/rollouts.parquet")):
+            build(path, iterations, tokens)
+        yield path, time.perf_counter() - t0
+    finally:
+        if root is None:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def timed(fn: Callable[[], object], repeat: int, digits: int = 4) -> dict[str, float]:
+    """The first call (cold file cache and metadata) apart, and the median of ``repeat`` more."""
+    times = []
+    for _ in range(repeat + 1):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return {"first_s": round(times[0], digits), "median_s": round(statistics.median(times[1:]), digits)}
+
+
+def main() -> None:
+    ap = store_arguments(__doc__.splitlines()[0], repeat=5)
+    ap.add_argument("--threads", type=int, default=None, help="DuckDB threads (default: DuckDB's)")
+    args = ap.parse_args()
+    with synthetic_store(args.root, args.iterations, args.tokens) as (root, build_s):
         con = connect(root)
         if args.threads:
             con.execute(f"set threads = {args.threads}")
         rows = con.sql("select count(*) from sa_pairs").fetchall()[0][0]
-        results = {}
-        for name, q in QUERIES.items():
-            times = []
-            for _ in range(args.repeat + 1):  # the first run is reported separately (cold file cache/metadata)
-                t = time.perf_counter()
-                con.sql(q).fetchall()
-                times.append(time.perf_counter() - t)
-            results[name] = {"first_s": round(times[0], 4), "median_s": round(statistics.median(times[1:]), 4)}
+        results = {name: timed(lambda q=q: con.sql(q).fetchall(), args.repeat) for name, q in QUERIES.items()}
         out = {
             "token_rows": rows,
             "iterations": args.iterations,
@@ -127,9 +168,6 @@ def main() -> None:
             "queries": results,
         }
         print(json.dumps(out, indent=2))
-    finally:
-        if args.root is None:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
