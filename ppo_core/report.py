@@ -31,6 +31,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from ppo_core.query import connect
+from ppo_core.runs import completed_in
 from ppo_core.tables import atomic_path
 
 TOKEN_TABLES = ("rollouts", "sa_pairs", "rewards", "advantages")  # what the heatmap reads
@@ -189,7 +190,7 @@ def build_report(
 def iterations_on_disk(run_dir: Path) -> tuple[list[int], list[int]]:
     """(completed, in progress) iteration numbers of one run."""
     found = sorted(int(p.name.removeprefix("iter=")) for p in run_dir.glob("iter=*") if p.is_dir())
-    complete = [i for i in found if (_iter_dir(run_dir, i) / "manifest.json").is_file()]
+    complete = completed_in(run_dir)
     return complete, [i for i in found if i not in complete]
 
 

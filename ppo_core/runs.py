@@ -98,7 +98,12 @@ def run_lock(cfg: PPOConfig):
 
 
 def completed_iterations(cfg: PPOConfig) -> list[int]:
-    return sorted(int(p.parent.name.removeprefix("iter=")) for p in cfg.run_dir.glob("iter=*/manifest.json"))
+    return completed_in(cfg.run_dir)
+
+
+def completed_in(run_dir: Path) -> list[int]:
+    """Iterations of the run in ``run_dir`` that finished: the pipeline writes manifest.json after the last phase."""
+    return sorted(int(p.parent.name.removeprefix("iter=")) for p in run_dir.glob("iter=*/manifest.json"))
 
 
 def next_iteration(cfg: PPOConfig) -> int:
