@@ -32,9 +32,9 @@ from matplotlib.ticker import MaxNLocator
 
 from ppo_core.query import connect
 from ppo_core.runs import completed_in
-from ppo_core.tables import atomic_path
+from ppo_core.tables import atomic_path, table_path
 
-TOKEN_TABLES = ("rollouts", "sa_pairs", "rewards", "advantages")  # what the heatmap reads
+HEATMAP_TABLES = ("rollouts", "sa_pairs", "rewards", "advantages")  # what the heatmaps read
 COLORMAP = "RdBu_r"  # diverging with a white centre: 0 advantage reads as no colour
 KEY_CONFIG = (
     "model", "reward", "reward_norm", "batch_size", "max_new_tokens", "temperature", "top_p",
@@ -170,7 +170,7 @@ def build_report(
     complete, in_progress = iterations_on_disk(run_dir)
     if not complete and not in_progress:
         raise ValueError(f"run '{run}' has no iterations under artifact root {root}")
-    token_iter = _pick_iteration(run_dir, complete, iteration, TOKEN_TABLES, run, root)
+    token_iter = _pick_iteration(run_dir, complete, iteration, HEATMAP_TABLES, run, root)
     eval_iter = _pick_iteration(run_dir, complete, iteration, ("eval",), run, root)
     con = connect(root)
     summary = per_iteration_summary(con, run_dir, run, complete)
@@ -199,7 +199,7 @@ def _iter_dir(run_dir: Path, iteration: int) -> Path:
 
 
 def _has_tables(run_dir: Path, iteration: int, tables: tuple[str, ...]) -> bool:
-    return all((_iter_dir(run_dir, iteration) / f"{t}.parquet").is_file() for t in tables)
+    return all(table_path(_iter_dir(run_dir, iteration), t).is_file() for t in tables)
 
 
 def _pick_iteration(

@@ -20,7 +20,7 @@ from ppo_core.config import PPOConfig
 
 EXPERIMENT = "ppo"
 RUN_TAG = "ppo.run"
-POLICY_FILE = "policy_adapter.safetensors"
+POLICY_FILE = "policy_adapter.safetensors"  # as logged by log_iteration: the checkpoint file's own name
 
 
 class RegistryError(LookupError):
@@ -97,10 +97,11 @@ def log_iteration(
         mlf.log_batch(run_id, metrics=batch[i : i + 900])
     mlf.set_tag(run_id, f"iter.{iteration:04d}.parquet", str(iter_dir.resolve()))
     mlf.set_tag(run_id, "last_iteration", str(iteration))
-    ckpt = iter_dir / "checkpoint"
-    for name in ("policy_adapter.safetensors", "value_adapter.safetensors"):
-        if (ckpt / name).is_file():
-            mlf.log_artifact(run_id, str(ckpt / name), artifact_path=adapter_artifact_dir(iteration))
+    from ppo_core.train import checkpoint_paths
+
+    for key, path in checkpoint_paths(iter_dir / "checkpoint").items():
+        if key.endswith("_adapter") and path.is_file():
+            mlf.log_artifact(run_id, str(path), artifact_path=adapter_artifact_dir(iteration))
     _log_table_inputs(mlf, run_id, iter_dir, iteration)
     if (iter_dir / "eval.parquet").is_file():
         import pyarrow.parquet as pq
@@ -320,10 +321,13 @@ def _ensure_policy_logged(mlf, cfg: PPOConfig, run_id: str, iteration: int) -> s
     It is absent when the iteration was trained without tracking (``pipeline.run``),
     or when log_iteration was interrupted after marking the iteration logged.
     """
+    from ppo_core.phases import checkpoint_dir
+    from ppo_core.train import checkpoint_paths
+
     artifact_dir = adapter_artifact_dir(iteration)
     if f"{artifact_dir}/{POLICY_FILE}" in {a.path for a in mlf.list_artifacts(run_id, artifact_dir)}:
         return artifact_dir
-    local = cfg.iter_dir(iteration) / "checkpoint" / POLICY_FILE
+    local = checkpoint_paths(checkpoint_dir(cfg, iteration))["policy_adapter"]
     if not local.is_file():
         raise RegistryError(
             f"iteration {iteration} of run '{cfg.run}' has no policy adapter to register: "

@@ -12,8 +12,10 @@ from ppo_core import pipeline, registry, track
 from ppo_core.config import PPOConfig, load_config
 from ppo_core.generate import generate, render_prompts
 from ppo_core.models import POLICY
+from ppo_core.phases import checkpoint_dir
 from ppo_core.tables import sha256_file
 from ppo_core.tiny import make_tiny_model
+from ppo_core.train import checkpoint_paths
 
 PROMPTS = ["How was your day?", "Tell me about the sea.", "What should I cook tonight?"]
 
@@ -40,7 +42,7 @@ def policy_logprobs(model, adapter: str | None) -> tuple[list[list[int]], np.nda
 
 
 def checkpoint_file(cfg: PPOConfig, iteration: int) -> Path:
-    return cfg.iter_dir(iteration) / "checkpoint" / track.POLICY_FILE
+    return checkpoint_paths(checkpoint_dir(cfg, iteration))["policy_adapter"]
 
 
 def test_the_version_points_at_the_logged_adapter_and_is_tagged(two_flow_runs):
