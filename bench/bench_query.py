@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ppo_core.layout import RunLayout
 from ppo_core.query import connect
 from ppo_core.tables import write_table
 
@@ -105,11 +106,12 @@ def build(root: Path, iterations: int, tokens: int, seed: int = 0) -> int:
     rng = np.random.default_rng(seed)
     for it in range(1, iterations + 1):
         cols = token_rows(rng, tokens)
-        iter_dir = root / f"run={RUN}" / f"iter={it:04d}"
+        layout = RunLayout(root, RUN)
+        iter_dir = layout.iter_dir(it)
         for name in ("sa_pairs", "rewards", "advantages"):
             write_table(iter_dir, name, cols)  # write_table keeps only the table's own columns
         write_table(iter_dir, "rollouts", rollout_rows(cols, it))
-        (iter_dir / "manifest.json").write_text(json.dumps({"run": RUN, "iteration": it}))
+        layout.manifest(it).write_text(json.dumps({"run": RUN, "iteration": it}))
     return iterations * tokens
 
 
@@ -129,7 +131,7 @@ def synthetic_store(root: Path | None, iterations: int, tokens: int) -> Iterator
     path = root or Path(tempfile.mkdtemp(prefix="ppo-bench-store-"))
     try:
         t0 = time.perf_counter()
-        if not any(path.glob("run=*/iter=*/rollouts.parquet")):
+        if not RunLayout(path, RUN).has_table("rollouts"):
             build(path, iterations, tokens)
         yield path, time.perf_counter() - t0
     finally:

@@ -14,6 +14,7 @@ import json
 import ppo_core  # noqa: F401  (OpenBLAS before mlx)
 
 from bench_query import RUN, store_arguments, synthetic_store, timed
+from ppo_core.layout import RunLayout
 from ppo_core.report import build_report
 
 
@@ -21,7 +22,7 @@ def main() -> None:
     args = store_arguments(__doc__.splitlines()[0], repeat=3).parse_args()
     with synthetic_store(args.root, args.iterations, args.tokens) as (root, _):
         times = timed(lambda: build_report(root, RUN), args.repeat, digits=2)
-        page = root / f"run={RUN}" / "report.html"
+        page = RunLayout(root, RUN).report
         print(json.dumps({"token_rows": args.iterations * args.tokens, "iterations": args.iterations, **times,
                           "page_kb": round(page.stat().st_size / 1024)}, indent=2))
 

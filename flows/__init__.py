@@ -1,3 +1,3 @@
-"""Prefect flows: `ppo` (deployment `iterate`)."""
+"""Prefect flows `ppo` (deployment `iterate`) and `reward-model`, the `ppo` CLI and `ppo serve`."""
 
-from flows import _env  # noqa: F401  (must precede any prefect import)
+from tasks import prefect_env  # noqa: F401  (must precede any prefect import)

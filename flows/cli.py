@@ -10,11 +10,11 @@ from typing import Optional
 import typer
 
 import ppo_core  # noqa: F401  (loads OpenBLAS before mlx)
-from ppo_core.config import PROJECT_ROOT, ConfigError, load_config, parse_override
+from ppo_core.config import ConfigError, PPOConfig, RewardModelSettings, load_config, parse_override
 
 app = typer.Typer(help="PPO fine-tuning of language models on MLX, as a Prefect pipeline over Parquet.", no_args_is_help=True)
 
-DEFAULT_ROOT = PROJECT_ROOT / "artifacts"
+DEFAULT_ROOT = PPOConfig.model_fields["artifact_root"].default
 
 
 @app.command()
@@ -57,25 +57,32 @@ def _emit(rel, fmt: str, output: Optional[Path]) -> None:
         raise typer.BadParameter(f"--format must be table, csv, json or parquet (got {fmt!r})")
 
 
+_RM = RewardModelSettings.model_fields
+
+
 @app.command("reward-model")
 def reward_model_cmd(
-    name: str = typer.Option("rm", help="saved as <artifact_root>/reward_models/<name>.safetensors"),
-    data: Path = typer.Option(PROJECT_ROOT / "data" / "preferences.jsonl", help="JSONL/Parquet with prompt, chosen, rejected"),
-    epochs: int = typer.Option(2, min=1),
-    lr: float = typer.Option(1e-3, min=0.0),
-    eval_fraction: float = typer.Option(0.2, min=0.01, max=0.9, help="share of prompts held out for accuracy"),
+    name: str = typer.Option(_RM["name"].default, help=_RM["name"].description),
+    data: Path = typer.Option(_RM["data"].default, help=_RM["data"].description),
+    epochs: int = typer.Option(_RM["epochs"].default, min=1),
+    lr: float = typer.Option(_RM["lr"].default, min=0.0),
+    batch_size: int = typer.Option(_RM["batch_size"].default, min=1, help=_RM["batch_size"].description),
+    eval_fraction: float = typer.Option(_RM["eval_fraction"].default, min=0.01, max=0.9, help=_RM["eval_fraction"].description),
     set_: list[str] = typer.Option([], "--set", help="config override key=value (model, lora_*, seed, artifact_root)"),
 ) -> None:
     """Train a learned reward model (Bradley-Terry) on preference pairs; use it with --set reward=model:<path>."""
+    settings = {"name": name, "data": str(data), "epochs": epochs, "lr": lr, "batch_size": batch_size,
+                "eval_fraction": eval_fraction}
     try:
         overrides = dict(parse_override(s) for s in set_)
         load_config(overrides=overrides)
+        RewardModelSettings.build(**settings)
     except ConfigError as exc:
         typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(2)
     from flows.reward_model import reward_model
 
-    result = reward_model(name=name, data=str(data), epochs=epochs, lr=lr, eval_fraction=eval_fraction, overrides=overrides)
+    result = reward_model(settings=settings, overrides=overrides)
     typer.echo(json.dumps({k: v for k, v in result.items() if k != "history"}, indent=2))
 
 
@@ -137,7 +144,7 @@ def report(
     root: Path = typer.Option(DEFAULT_ROOT, help="artifact root"),
     iteration: Optional[int] = typer.Option(None, help="iteration of the advantage heatmap and eval samples (default: last)"),
     rollouts: int = typer.Option(6, min=2, max=200, help="rollouts shown token by token (half highest, half lowest score)"),
-    output: Optional[Path] = typer.Option(None, help="default: <root>/run=<run>/report.html"),
+    output: Optional[Path] = typer.Option(None, help="default: report.html in the run's folder"),
 ) -> None:
     """Write a self-contained HTML report of a run: curves, numbers, advantage heatmaps, eval samples."""
     from ppo_core.report import build_report
@@ -162,7 +169,7 @@ def generate(
 ) -> None:
     """Answer prompts with a registered policy (an MLflow model version of ppo-<run>)."""
     from ppo_core import registry
-    from ppo_core.track import RegistryError
+    from ppo_core.registry import RegistryError
 
     try:
         cfg = registry.run_config(run, root)
@@ -178,9 +185,9 @@ def generate(
 @app.command()
 def doctor() -> None:
     """Check the fast BLAS, MLX matmul speed/accuracy and the default model."""
-    from ppo_core.runtime import blas_state, matmul_gflops
+    from ppo_core.runtime import matmul_gflops, setup_blas
 
-    state = blas_state()
+    state = setup_blas()
     typer.echo(f"OpenBLAS: {state.library or 'NOT LOADED'} (threads={state.threads})")
     if state.error:
         typer.secho(f"  warning: {state.error}", fg="yellow")

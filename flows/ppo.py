@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows import _env  # noqa: F401
 import ppo_core  # noqa: F401  (loads OpenBLAS before mlx)
 from prefect import flow, get_run_logger
 

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from ppo_core.config import PROJECT_ROOT
+from tasks.prefect_env import apply_defaults
 
 POOL = "ppo-process"
 
@@ -53,9 +54,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def serve(host: str = "127.0.0.1", port: int = 4200, startup_timeout: float = 180.0, log=print) -> int:
     """Start server, pool, deployment and worker; block until interrupted; stop them all."""
     api_url = f"http://{host}:{port}/api"
-    env = {**os.environ, "PREFECT_API_URL": api_url}
-    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    env.setdefault("DO_NOT_TRACK", "1")
+    env = apply_defaults({**os.environ, "PREFECT_API_URL": api_url})
     procs: list[subprocess.Popen] = []
     stop = {"now": False}
 

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ppo_core.layout import RunLayout
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "smollm2"
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
@@ -36,6 +38,16 @@ def artifact_root_problem(root: Path) -> str | None:
         if any(c in part for c in "*?[]{}"):
             return f"folder '{part}' contains a glob character (one of *?[]{{}})"
     return None
+
+
+def check_name(v: str) -> str:
+    """A run or reward-model name becomes a folder or file name: no separators, no '..'."""
+    if not _RUN_NAME.match(v) or ".." in v:
+        raise ValueError(
+            "must be 1-100 characters of letters, digits, '_', '-' or '.', start with a letter "
+            "or digit, and contain no path separator or '..'"
+        )
+    return v
 
 
 class PPOConfig(BaseModel):
@@ -100,12 +112,7 @@ class PPOConfig(BaseModel):
     @field_validator("run")
     @classmethod
     def _run_name(cls, v: str) -> str:
-        if not _RUN_NAME.match(v) or ".." in v:
-            raise ValueError(
-                "must be 1-100 characters of letters, digits, '_', '-' or '.', start with a letter "
-                "or digit, and contain no path separator or '..'"
-            )
-        return v
+        return check_name(v)
 
     @field_validator("artifact_root")
     @classmethod
@@ -143,11 +150,14 @@ class PPOConfig(BaseModel):
 
     # --- derived ---
     @property
-    def run_dir(self) -> Path:
-        return self.artifact_root / f"run={self.run}"
+    def layout(self) -> RunLayout:
+        """Where this run's files live (``ppo_core.layout``)."""
+        return RunLayout(self.artifact_root, self.run)
 
-    def iter_dir(self, iteration: int) -> Path:
-        return self.run_dir / f"iter={iteration:04d}"
+    @property
+    def reward_model_file(self) -> Path | None:
+        """The learned reward model's file for ``reward=model:<path>``, else None."""
+        return Path(self.reward.removeprefix("model:")) if self.reward.startswith("model:") else None
 
     def to_json_dict(self) -> dict[str, Any]:
         return json.loads(self.model_dump_json())
@@ -158,6 +168,32 @@ class PPOConfig(BaseModel):
         for k in ("run", "artifact_root"):
             d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class RewardModelSettings(BaseModel):
+    """How ``ppo reward-model`` trains a reward model; base model, LoRA layout and seed come from PPOConfig."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    name: str = Field("rm", description="file name of the saved reward model (under the artifact root's reward models)")
+    data: Path = Field(PROJECT_ROOT / "data" / "preferences.jsonl", description="JSONL/Parquet with prompt, chosen, rejected")
+    epochs: int = Field(2, ge=1, le=1000)
+    lr: float = Field(1e-3, gt=0.0, le=1.0)
+    batch_size: int = Field(8, ge=1, le=4096, description="preference pairs per optimiser step")
+    eval_fraction: float = Field(0.2, ge=0.01, le=0.9, description="share of prompts held out for accuracy")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v)
+
+    @classmethod
+    def build(cls, **fields: Any) -> RewardModelSettings:
+        """Validated settings; an invalid value raises ConfigError naming the field."""
+        try:
+            return cls(**fields)
+        except ValidationError as exc:
+            raise ConfigError(_format_error(exc)) from None
 
 
 def _format_error(err: ValidationError) -> str:

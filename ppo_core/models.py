@@ -3,17 +3,24 @@
 The reference model is the base with every adapter switched off, so PPO needs
 one copy of the weights, not three. The value model is base + value adapter +
 a scalar head on the final hidden state.
+
+Which adapter applies is scoped: ``with model.adapter(POLICY): ...`` (and every
+``hidden``/``top`` call, which takes the adapter as an argument) restores the
+previous selection on exit, so no phase leaves adapter state behind for the
+next. Loaded base models are kept in a ``ModelCache`` the caller owns;
+``MODELS`` is the process's default one (a worker keeps its model loaded
+between phases through it), and ``MODELS.clear()`` drops it.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import importlib.metadata
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,6 +28,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ppo_core.config import DEFAULT_MODEL, PPOConfig
 from ppo_core.convert import CONVERTER_VERSION, convert_gguf
+from ppo_core.layout import models_dir
 from ppo_core.tables import atomic_path, sha256_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
@@ -59,7 +67,7 @@ def resolve_model_dir(model: str, artifact_root: Path) -> Path:
     if model == DEFAULT_MODEL:
         gguf = smollm2_gguf()
         digest = sha256_file(gguf)[:12]
-        out = artifact_root / "models" / f"smollm2-135m-instruct-{digest}-c{CONVERTER_VERSION}"
+        out = models_dir(artifact_root) / f"smollm2-135m-instruct-{digest}-c{CONVERTER_VERSION}"
         if not (out / "model.safetensors").is_file():
             convert_gguf(gguf, out)
         return out
@@ -74,21 +82,15 @@ def resolve_model_dir(model: str, artifact_root: Path) -> Path:
     return path
 
 
-def model_fingerprint(model_dir: Path) -> str:
-    """Content hash of the weights + config, for cache keys and manifests."""
-    h = hashlib.sha256()
-    for p in sorted(model_dir.glob("model*.safetensors")) + [model_dir / "config.json"]:
-        st = p.stat()
-        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
-
-
 # ---------------------------------------------------------------- LoRA
 
 
 @dataclass
 class AdapterSwitch:
-    """Which adapter every LoRA layer applies; ``None`` means the bare base (reference)."""
+    """Which adapter every LoRA layer applies; ``None`` means the bare base (reference).
+
+    Set it only through ``PolicyValueModel.adapter``, which restores it.
+    """
 
     active: str | None = None
 
@@ -159,10 +161,26 @@ class PolicyValueModel:
     def backbone(self) -> nn.Module:
         return self.lm.model
 
+    @contextlib.contextmanager
+    def adapter(self, name: str | None) -> Iterator[None]:
+        """Apply adapter ``name`` (None: the reference) inside the block; the previous one is active after it."""
+        if name is not None and name not in ADAPTERS:
+            raise ValueError(f"unknown adapter {name!r}; adapters are {ADAPTERS}")
+        previous = self.switch.active
+        self.switch.active = name
+        try:
+            yield
+        finally:
+            self.switch.active = previous
+
+    @property
+    def active_adapter(self) -> str | None:
+        return self.switch.active
+
     def hidden(self, tokens: mx.array, adapter: str | None, cache: Any = None) -> mx.array:
         """Final normed hidden states (the full stack; used with a KV cache for sampling)."""
-        self.switch.active = adapter
-        return self.backbone(tokens, cache=cache)
+        with self.adapter(adapter):
+            return self.backbone(tokens, cache=cache)
 
     def _masks(self, h: mx.array, layers: list[nn.Module]) -> list[Any]:
         from mlx_lm.models.base import create_attention_mask
@@ -183,11 +201,11 @@ class PolicyValueModel:
 
     def top(self, trunk: mx.array, adapter: str | None) -> mx.array:
         """Final normed hidden states from trunk activations, through the adapted layers."""
-        self.switch.active = adapter
         h = trunk
         layers = self.backbone.layers[self.n_frozen :]
-        for layer, mask in zip(layers, self._masks(h, layers)):
-            h = layer(h, mask, cache=None)
+        with self.adapter(adapter):
+            for layer, mask in zip(layers, self._masks(h, layers)):
+                h = layer(h, mask, cache=None)
         return self.backbone.norm(h)
 
     def logits_from_hidden(self, h: mx.array) -> mx.array:
@@ -257,15 +275,40 @@ def initial_parameters(like: dict[str, mx.array], seed: int, adapter: str) -> di
     return out
 
 
-_CACHE: dict[tuple[Any, ...], PolicyValueModel] = {}
+class ModelCache:
+    """Loaded base models with their adapter slots, one per (model directory, LoRA layout).
+
+    Loading SmolLM2 takes seconds, so a process keeps what it loaded; a caller
+    that wants a model of its own (one no later phase reloads adapters into)
+    makes a ``ModelCache()`` of its own, and ``clear()`` frees the memory.
+    """
+
+    def __init__(self) -> None:
+        self._models: dict[tuple[Any, ...], PolicyValueModel] = {}
+
+    def get(self, cfg: PPOConfig) -> PolicyValueModel:
+        model_dir = resolve_model_dir(cfg.model, cfg.artifact_root)
+        key = (str(model_dir.resolve()), cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_layers)
+        if key not in self._models:
+            self._models[key] = _load(model_dir, cfg)
+        return self._models[key]
+
+    def clear(self) -> None:
+        self._models.clear()
+
+    def __len__(self) -> int:
+        return len(self._models)
 
 
-def load_policy_value_model(cfg: PPOConfig) -> PolicyValueModel:
-    """Load (once per process) the base model with adapters for ``cfg``."""
-    model_dir = resolve_model_dir(cfg.model, cfg.artifact_root)
-    key = (str(model_dir.resolve()), cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_layers)
-    if key in _CACHE:
-        return _CACHE[key]
+MODELS = ModelCache()  # the process's default: phases share one loaded base model through it
+
+
+def load_policy_value_model(cfg: PPOConfig, cache: ModelCache = MODELS) -> PolicyValueModel:
+    """The base model with adapters for ``cfg``, loaded once per ``cache``."""
+    return cache.get(cfg)
+
+
+def _load(model_dir: Path, cfg: PPOConfig) -> PolicyValueModel:
     from mlx_lm.utils import load as mlx_lm_load
 
     try:
@@ -285,5 +328,4 @@ def load_policy_value_model(cfg: PPOConfig) -> PolicyValueModel:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     model = PolicyValueModel(lm, tokenizer, model_dir, switch, heads, eos, pad, n_frozen)
     mx.eval(lm.parameters(), [h.parameters() for h in heads.values()])
-    _CACHE[key] = model
     return model

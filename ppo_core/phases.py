@@ -2,10 +2,12 @@
 
 Each phase: resolve inputs -> skip if its recorded outputs still match ->
 compute -> write outputs atomically -> record (cache key, output hashes).
-Prefect tasks wrap these one-to-one; a notebook can call them directly.
+Prefect tasks wrap these one-to-one; ``ppo_core.pipeline`` wires them in order.
+Inputs arrive as ``Path``s and ``Checkpoint``s; every output path comes from
+the run's ``RunLayout``.
 
-Checkpoint ``iter=N-1/checkpoint`` is the policy/value that iteration N samples
-and scores with; ``iter=0000/checkpoint`` is the seeded initial adapters.
+Iteration N-1's checkpoint is the policy/value that iteration N samples and
+scores with; iteration 0's checkpoint holds the seeded initial adapters.
 """
 
 from __future__ import annotations
@@ -26,30 +28,18 @@ import pyarrow.parquet as pq
 from ppo_core.advantage import gae
 from ppo_core.config import PPOConfig
 from ppo_core.faults import failpoint
+from ppo_core.layout import Checkpoint
 from ppo_core.models import PPO_ADAPTERS, POLICY, VALUE, PolicyValueModel, load_policy_value_model
 from ppo_core.prompts import check_prompt_lengths, load_prompts
 from ppo_core.rewards import adaptive_kl_coef, make_reward, score_responses, shape_rewards
-from ppo_core.tables import (
-    TOKEN_TABLES,
-    atomic_write_text,
-    read_table,
-    sha256_file,
-    table_path,
-    write_table,
-)
-from ppo_core.train import (
-    TrainData,
-    TrainSettings,
-    checkpoint_paths,
-    load_optimizer,
-    make_optimizer,
-    ppo_update,
-    save_optimizer,
-)
+from ppo_core.tables import atomic_write_text, read_table, sha256_file, write_table
+from ppo_core.train import TrainData, TrainSettings, load_optimizer, make_optimizer, ppo_update, save_optimizer
 
-PHASES = ("rollout", "attribute", "reward", "value", "advantage", "train", "evaluate")
+# The phases of one iteration, in the order ``ppo_core.pipeline`` runs them;
+# "init" runs once per run and writes iteration 0's checkpoint.
+ITERATION_PHASES = ("rollout", "attribute", "reward", "value", "advantage", "train", "evaluate")
 # Bump a phase's version when its code changes what it writes: old caches then miss.
-PHASE_VERSION = {"init": 1, "rollout": 1, "attribute": 1, "reward": 1, "value": 1, "advantage": 1, "train": 1, "evaluate": 1}
+PHASE_VERSION = {phase: 1 for phase in ("init", *ITERATION_PHASES)}
 
 
 @dataclass
@@ -70,23 +60,11 @@ class PhaseResult:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> PhaseResult:
-        return cls(**d)
-
 
 def phase_seed(cfg: PPOConfig, iteration: int, phase: str) -> int:
     """All randomness is keyed by (seed, iteration, phase): resumes replay it exactly."""
     digest = hashlib.sha256(f"{cfg.seed}:{iteration}:{phase}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-def checkpoint_dir(cfg: PPOConfig, iteration: int) -> Path:
-    return cfg.iter_dir(iteration) / "checkpoint"
-
-
-def _record_path(cfg: PPOConfig, iteration: int, phase: str) -> Path:
-    return cfg.iter_dir(iteration) / "phases" / f"{phase}.json"
 
 
 def _cache_key(cfg: PPOConfig, iteration: int, phase: str, inputs: dict[str, Path]) -> str:
@@ -101,7 +79,7 @@ def _cache_key(cfg: PPOConfig, iteration: int, phase: str, inputs: dict[str, Pat
 
 
 def _valid_record(cfg: PPOConfig, iteration: int, phase: str, key: str) -> dict[str, Any] | None:
-    path = _record_path(cfg, iteration, phase)
+    path = cfg.layout.phase_record(iteration, phase)
     try:
         record = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -136,7 +114,7 @@ def run_phase(
     out = {n: str(p) for n, p in outputs.items()}
     hashes = {n: sha256_file(Path(p)) for n, p in outputs.items()}
     record = {"key": key, "outputs": out, "hashes": hashes, "seconds": seconds, "stats": stats}
-    atomic_write_text(_record_path(cfg, iteration, phase), json.dumps(record, indent=2, sort_keys=True))
+    atomic_write_text(cfg.layout.phase_record(iteration, phase), json.dumps(record, indent=2, sort_keys=True))
     failpoint("phase.done")
     return PhaseResult(phase, iteration, out, hashes, False, seconds, stats)
 
@@ -144,16 +122,25 @@ def run_phase(
 # ---------------------------------------------------------------- helpers
 
 
-def model_for(cfg: PPOConfig, ckpt: Path | None, adapters: tuple[str, ...] = PPO_ADAPTERS) -> PolicyValueModel:
-    """The shared base model with ``adapters`` loaded from checkpoint directory ``ckpt``."""
+def model_for(cfg: PPOConfig, ckpt: Checkpoint, adapters: tuple[str, ...] = PPO_ADAPTERS) -> PolicyValueModel:
+    """The shared base model with ``adapters`` loaded from checkpoint ``ckpt``."""
     model = load_policy_value_model(cfg)
     for a in adapters:
-        model.load_adapter(a, ckpt / f"{a}_adapter.safetensors")
+        model.load_adapter(a, ckpt.adapter(a))
     return model
 
 
 def _lists(table: pa.Table, column: str) -> list[list[int]]:
     return table.column(column).to_pylist()
+
+
+def _scoring_inputs(
+    cfg: PPOConfig, rollouts_path: Path, checkpoint: Checkpoint, adapter: str
+) -> tuple[pa.Table, PolicyValueModel, list[list[int]], list[list[int]]]:
+    """The rollouts, the model with ``adapter`` loaded, and each rollout's prompt and response token ids."""
+    ro = read_table(rollouts_path)
+    model = model_for(cfg, checkpoint, (adapter,))
+    return ro, model, _lists(ro, "prompt_token_ids"), _lists(ro, "response_token_ids")
 
 
 def _context_length(model: PolicyValueModel) -> int:
@@ -187,13 +174,13 @@ def _token_texts(model: PolicyValueModel, token_ids: pl.Series) -> pl.Series:
 
 
 def init_checkpoint(cfg: PPOConfig) -> PhaseResult:
-    """iter=0000/checkpoint: adapters initialised from the seed alone."""
+    """Iteration 0's checkpoint: adapters initialised from the seed alone."""
 
     def compute():
         model = load_policy_value_model(cfg)
         model.reset_adapters(cfg.seed, PPO_ADAPTERS)
-        ckpt = checkpoint_dir(cfg, 0)
-        paths = {k: v for k, v in checkpoint_paths(ckpt).items() if k.endswith("_adapter")}
+        ckpt = cfg.layout.checkpoint(0)
+        paths = {f"{a}_adapter": ckpt.adapter(a) for a in PPO_ADAPTERS}
         for a in PPO_ADAPTERS:
             model.save_adapter(a, paths[f"{a}_adapter"])
         return paths, {}
@@ -201,9 +188,8 @@ def init_checkpoint(cfg: PPOConfig) -> PhaseResult:
     return run_phase(cfg, 0, "init", {}, compute)
 
 
-def rollout(cfg: PPOConfig, iteration: int, checkpoint: Path | str) -> PhaseResult:
-    checkpoint = Path(checkpoint)
-    inputs = {"policy_adapter": checkpoint / "policy_adapter.safetensors", "prompts": cfg.prompts_path}
+def rollout(cfg: PPOConfig, iteration: int, checkpoint: Checkpoint) -> PhaseResult:
+    inputs = {"policy_adapter": checkpoint.adapter(POLICY), "prompts": cfg.prompts_path}
 
     def compute():
         from ppo_core.generate import decode_responses, generate, render_prompts
@@ -231,7 +217,7 @@ def rollout(cfg: PPOConfig, iteration: int, checkpoint: Path | str) -> PhaseResu
             "seed": [seed] * len(prompt_ids),
         }
         n_tokens = sum(len(r) for r in gen.response_ids)
-        path = write_table(cfg.iter_dir(iteration), "rollouts", table)
+        path = write_table(cfg.layout.iter_dir(iteration), "rollouts", table)
         return {"rollouts": path}, {
             "tokens": n_tokens,
             "response_length": n_tokens / len(prompt_ids),
@@ -241,20 +227,17 @@ def rollout(cfg: PPOConfig, iteration: int, checkpoint: Path | str) -> PhaseResu
     return run_phase(cfg, iteration, "rollout", inputs, compute)
 
 
-def attribute(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: Path) -> PhaseResult:
+def attribute(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: Checkpoint) -> PhaseResult:
     """Per-token policy and reference logprobs, KL and entropy (one forward per model)."""
-    rollouts_path, checkpoint = Path(rollouts_path), Path(checkpoint)
-    inputs = {"rollouts": rollouts_path, "policy_adapter": checkpoint / "policy_adapter.safetensors"}
+    inputs = {"rollouts": rollouts_path, "policy_adapter": checkpoint.adapter(POLICY)}
 
     def compute():
         from ppo_core.score import score_logprobs
 
-        ro = read_table(rollouts_path)
-        model = model_for(cfg, checkpoint, (POLICY,))
-        p_ids, r_ids = _lists(ro, "prompt_token_ids"), _lists(ro, "response_token_ids")
-        kw = {"temperature": cfg.temperature, "batch_size": cfg.score_batch_size}
+        ro, model, p_ids, r_ids = _scoring_inputs(cfg, rollouts_path, checkpoint, POLICY)
         (logprob, entropy), (ref_logprob, _) = score_logprobs(
-            model, p_ids, r_ids, adapters=(POLICY, None), entropy=(True, False), **kw
+            model, p_ids, r_ids, adapters=(POLICY, None), entropy=(True, False),
+            temperature=cfg.temperature, batch_size=cfg.score_batch_size,
         )
         frame = _token_frame(ro)
         frame = frame.with_columns(
@@ -264,7 +247,7 @@ def attribute(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: P
             kl=pl.Series(logprob - ref_logprob),
             entropy=pl.Series(entropy),
         )
-        path = write_table(cfg.iter_dir(iteration), "sa_pairs", frame.to_arrow())
+        path = write_table(cfg.layout.iter_dir(iteration), "sa_pairs", frame.to_arrow())
         return {"sa_pairs": path}, {"tokens": frame.height, "entropy": float(entropy.mean())}
 
     return run_phase(cfg, iteration, "attribute", inputs, compute)
@@ -272,23 +255,23 @@ def attribute(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: P
 
 def reward_function(cfg: PPOConfig):
     """The run's reward function; a learned one shares the loaded base model."""
-    if cfg.reward.startswith("model:"):
+    if cfg.reward_model_file is not None:
         from ppo_core.reward_model import LearnedReward
 
-        return LearnedReward(load_policy_value_model(cfg), Path(cfg.reward.removeprefix("model:")), cfg, cfg.reward_norm)
+        return LearnedReward(load_policy_value_model(cfg), cfg.reward_model_file, cfg, cfg.reward_norm)
     return make_reward(cfg.reward, cfg.length_min, cfg.length_max)
 
 
 def _reward_inputs(cfg: PPOConfig) -> dict[str, Path]:
     """A learned reward model is an input of every phase that scores: its bytes are in the cache key."""
-    return {"reward_model": Path(cfg.reward.removeprefix("model:"))} if cfg.reward.startswith("model:") else {}
+    return {"reward_model": cfg.reward_model_file} if cfg.reward_model_file is not None else {}
 
 
 def _kl_coef_for(cfg: PPOConfig, iteration: int) -> float:
     """The KL coefficient of ``iteration``: fixed, or the adaptive controller's value."""
     if not cfg.adaptive_kl or iteration <= 1:
         return cfg.kl_coef
-    prev = table_path(cfg.iter_dir(iteration - 1), "rewards")
+    prev = cfg.layout.table(iteration - 1, "rewards")
     meta = pq.read_schema(prev).metadata or {}
     prev_coef = float(meta[b"kl_coef"])
     prev_kl = float(meta[b"mean_rollout_kl"])
@@ -298,10 +281,9 @@ def _kl_coef_for(cfg: PPOConfig, iteration: int) -> float:
 
 def reward(cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: Path) -> PhaseResult:
     """Score each response, then shape per token: -kl_coef*KL_t, plus the score at the last token."""
-    rollouts_path, sa_pairs_path = Path(rollouts_path), Path(sa_pairs_path)
     inputs = {"rollouts": rollouts_path, "sa_pairs": sa_pairs_path, **_reward_inputs(cfg)}
     if cfg.adaptive_kl and iteration > 1:
-        inputs["previous_rewards"] = table_path(cfg.iter_dir(iteration - 1), "rewards")
+        inputs["previous_rewards"] = cfg.layout.table(iteration - 1, "rewards")
 
     def compute():
         ro = read_table(rollouts_path)
@@ -319,7 +301,7 @@ def reward(cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: P
         rollout_kl = float(np.add.reduceat(kl, np.concatenate([[0], np.cumsum(lengths)[:-1]])).mean())
         # the adaptive KL controller's state travels in the file's own metadata
         meta = {"kl_coef": repr(coef), "mean_rollout_kl": repr(rollout_kl)}
-        path = write_table(cfg.iter_dir(iteration), "rewards", frame.to_arrow(), metadata=meta)
+        path = write_table(cfg.layout.iter_dir(iteration), "rewards", frame.to_arrow(), metadata=meta)
         return {"rewards": path}, {
             "score": float(raw.mean()),
             "shaped_score": float(scores.mean()),
@@ -331,25 +313,22 @@ def reward(cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: P
     return run_phase(cfg, iteration, "reward", inputs, compute)
 
 
-def value(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: Path) -> PhaseResult:
-    rollouts_path, checkpoint = Path(rollouts_path), Path(checkpoint)
-    inputs = {"rollouts": rollouts_path, "value_adapter": checkpoint / "value_adapter.safetensors"}
+def value(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: Checkpoint) -> PhaseResult:
+    inputs = {"rollouts": rollouts_path, "value_adapter": checkpoint.adapter(VALUE)}
 
     def compute():
         from ppo_core.score import score_values
 
-        ro = read_table(rollouts_path)
-        model = model_for(cfg, checkpoint, (VALUE,))
-        values = score_values(model, _lists(ro, "prompt_token_ids"), _lists(ro, "response_token_ids"), batch_size=cfg.score_batch_size)
+        ro, model, p_ids, r_ids = _scoring_inputs(cfg, rollouts_path, checkpoint, VALUE)
+        values = score_values(model, p_ids, r_ids, batch_size=cfg.score_batch_size)
         frame = _token_frame(ro).select("rollout_id", "t").with_columns(value=pl.Series(values))
-        path = write_table(cfg.iter_dir(iteration), "values", frame.to_arrow())
+        path = write_table(cfg.layout.iter_dir(iteration), "values", frame.to_arrow())
         return {"values": path}, {"value": float(values.mean())}
 
     return run_phase(cfg, iteration, "value", inputs, compute)
 
 
 def advantage(cfg: PPOConfig, iteration: int, rewards_path: Path, values_path: Path) -> PhaseResult:
-    rewards_path, values_path = Path(rewards_path), Path(values_path)
     inputs = {"rewards": rewards_path, "values": values_path}
 
     def compute():
@@ -367,7 +346,7 @@ def advantage(cfg: PPOConfig, iteration: int, rewards_path: Path, values_path: P
             whitened_advantage=pl.Series(res.whitened),
             **{"return": pl.Series(res.returns)},
         )
-        path = write_table(cfg.iter_dir(iteration), "advantages", frame.to_arrow())
+        path = write_table(cfg.layout.iter_dir(iteration), "advantages", frame.to_arrow())
         explained = 1.0 - np.var(res.returns - v) / max(np.var(res.returns), 1e-12)
         return {"advantages": path}, {"advantage": float(res.advantage.mean()), "explained_variance": float(explained)}
 
@@ -375,14 +354,14 @@ def advantage(cfg: PPOConfig, iteration: int, rewards_path: Path, values_path: P
 
 
 def train(
-    cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: Path, advantages_path: Path, checkpoint: Path
+    cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: Path, advantages_path: Path, checkpoint: Checkpoint
 ) -> PhaseResult:
-    """PPO epochs over the joined tables; writes iter=N/checkpoint and metrics.parquet."""
-    rollouts_path, sa_pairs_path, advantages_path = Path(rollouts_path), Path(sa_pairs_path), Path(advantages_path)
-    checkpoint = Path(checkpoint)
-    prev = checkpoint_paths(checkpoint)
+    """PPO epochs over the joined tables; writes iteration N's checkpoint and metrics table."""
     inputs = {"rollouts": rollouts_path, "sa_pairs": sa_pairs_path, "advantages": advantages_path}
-    inputs.update({k: p for k, p in prev.items() if k.endswith("_adapter") or p.is_file()})
+    for a in PPO_ADAPTERS:  # iteration 0's checkpoint has adapters but no optimiser state yet
+        inputs[f"{a}_adapter"] = checkpoint.adapter(a)
+        if checkpoint.optimizer(a).is_file():
+            inputs[f"{a}_optimizer"] = checkpoint.optimizer(a)
 
     def compute():
         ro = read_table(rollouts_path)
@@ -404,21 +383,18 @@ def train(
         model = model_for(cfg, checkpoint)
         optimizers = {POLICY: make_optimizer(cfg.policy_lr), VALUE: make_optimizer(cfg.value_lr)}
         for a in PPO_ADAPTERS:
-            if prev[f"{a}_optimizer"].is_file():
-                load_optimizer(optimizers[a], prev[f"{a}_optimizer"])
-        settings = TrainSettings(
-            cfg.ppo_epochs, cfg.num_minibatches, cfg.policy_lr, cfg.value_lr, cfg.clip_range,
-            cfg.value_clip_range, cfg.entropy_coef, cfg.max_grad_norm, cfg.temperature,
-        )
+            if f"{a}_optimizer" in inputs:
+                load_optimizer(optimizers[a], inputs[f"{a}_optimizer"])
         rng = np.random.default_rng(phase_seed(cfg, iteration, "train"))
-        rows = ppo_update(model, data, settings, optimizers, rng)
-        out_dir = cfg.iter_dir(iteration)
-        paths = checkpoint_paths(out_dir / "checkpoint")
+        rows = ppo_update(model, data, TrainSettings.from_config(cfg), optimizers, rng)
+        ckpt = cfg.layout.checkpoint(iteration)
+        paths = {}
         for a in PPO_ADAPTERS:
-            model.save_adapter(a, paths[f"{a}_adapter"])
-            save_optimizer(optimizers[a], paths[f"{a}_optimizer"])
+            paths[f"{a}_adapter"], paths[f"{a}_optimizer"] = ckpt.adapter(a), ckpt.optimizer(a)
+            model.save_adapter(a, ckpt.adapter(a))
+            save_optimizer(optimizers[a], ckpt.optimizer(a))
         metrics = pl.DataFrame(rows)
-        paths["metrics"] = write_table(out_dir, "metrics", metrics.to_arrow())
+        paths["metrics"] = write_table(cfg.layout.iter_dir(iteration), "metrics", metrics.to_arrow())
         last_epoch = metrics.filter(pl.col("epoch") == metrics["epoch"].max())
         keys = ["policy_loss", "value_loss", "approx_kl", "clip_fraction"] + (["entropy"] if cfg.entropy_coef > 0 else [])
         stats = {k: float(last_epoch[k].mean()) for k in keys}
@@ -429,11 +405,10 @@ def train(
     return run_phase(cfg, iteration, "train", inputs, compute)
 
 
-def evaluate(cfg: PPOConfig, iteration: int, checkpoint: Path) -> PhaseResult:
+def evaluate(cfg: PPOConfig, iteration: int, checkpoint: Checkpoint) -> PhaseResult:
     """Score the policy of ``checkpoint`` on the held-out eval prompts."""
-    checkpoint = Path(checkpoint)
     inputs = {
-        "policy_adapter": checkpoint / "policy_adapter.safetensors",
+        "policy_adapter": checkpoint.adapter(POLICY),
         "eval_prompts": cfg.eval_prompts_path,
         **_reward_inputs(cfg),
     }
@@ -460,14 +435,8 @@ def evaluate(cfg: PPOConfig, iteration: int, checkpoint: Path) -> PhaseResult:
             "finish_reason": gen.finish_reasons,
             "score": scores,
         }
-        path = write_table(cfg.iter_dir(iteration), "eval", table)
+        path = write_table(cfg.layout.iter_dir(iteration), "eval", table)
         return {"eval": path}, {"eval_score": float(scores.mean()), "eval_response_length": float(lengths.mean())}
 
     return run_phase(cfg, iteration, "evaluate", inputs, compute)
 
-
-def token_tables_consistent(iter_dir: Path) -> bool:
-    """The three token tables have exactly one row per generated token."""
-    ro = read_table(table_path(iter_dir, "rollouts"))
-    n = int(_flat_lengths(ro).sum())
-    return all(pq.read_metadata(table_path(iter_dir, t)).num_rows == n for t in TOKEN_TABLES)

@@ -14,9 +14,10 @@ from pathlib import Path
 import duckdb
 
 from ppo_core.config import artifact_root_problem
+from ppo_core.layout import table_glob
+from ppo_core.tables import TOKEN_TABLES
 
 VIEW_TABLES = ("rollouts", "sa_pairs", "rewards", "values", "advantages", "metrics", "eval")
-KEY = ("run", "iter", "rollout_id", "t")
 
 _TOKENS = """
 CREATE VIEW tokens AS
@@ -52,21 +53,17 @@ def connect(artifact_root: Path, database: str = ":memory:") -> duckdb.DuckDBPyC
     con = duckdb.connect(database)
     present = []
     for name in VIEW_TABLES:
-        if not any(root.glob(f"run=*/iter=*/{name}.parquet")):
+        glob = table_glob(root, name)
+        if not any(root.glob(str(glob.relative_to(root)))):
             continue
-        pattern = (root / "run=*" / "iter=*" / f"{name}.parquet").as_posix().replace("'", "''")
+        pattern = glob.as_posix().replace("'", "''")
         con.execute(
             f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{pattern}', hive_partitioning = true, "
             "hive_types = {'run': VARCHAR, 'iter': INTEGER})"
         )
         present.append(name)
-    if {"sa_pairs", "rewards", "advantages"} <= set(present):
+    if set(TOKEN_TABLES) <= set(present):
         con.execute(_TOKENS)
     if {"rollouts", "sa_pairs"} <= set(present):
         con.execute(_STATE_TEXT)
     return con
-
-
-def sql(artifact_root: Path, query: str):
-    """Run ``query`` and return a Polars DataFrame."""
-    return connect(artifact_root).sql(query).pl()

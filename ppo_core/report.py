@@ -5,8 +5,8 @@ offline and can be mailed around. Aggregates are computed by DuckDB over the
 ``ppo_core.query`` views; HTML fragments with one piece per token or per row
 are built with Polars string expressions, never a Python loop per token.
 
-Only completed iterations (those with ``manifest.json``, which the pipeline
-writes after the last phase) are shown: an iteration still being trained has
+Only completed iterations (those with a manifest, which the pipeline writes
+after the last phase) are shown: an iteration still being trained has
 some tables and not others, so it is listed in the header and left out of
 the curves, the summary and the heatmap.
 """
@@ -30,9 +30,9 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from ppo_core.layout import RunLayout
 from ppo_core.query import connect
-from ppo_core.runs import completed_in
-from ppo_core.tables import atomic_path, table_path
+from ppo_core.tables import atomic_path
 
 HEATMAP_TABLES = ("rollouts", "sa_pairs", "rewards", "advantages")  # what the heatmaps read
 COLORMAP = "RdBu_r"  # diverging with a white centre: 0 advantage reads as no colour
@@ -61,26 +61,25 @@ class Chart:
     curves: tuple[Curve, ...]
 
 
+def _one_curve(column: str, title: str, label: str, caption: str) -> Chart:
+    """A chart of one summary column, keyed by it."""
+    return Chart(column, title, caption, (Curve(column, label),))
+
+
 CHARTS = (
     Chart("score", "Score", "Mean score of the rollouts (with the missing-EOS penalty) and of the held-out "
           "evaluation (greedy; iteration 0 is the baseline before training).",
           (Curve("mean_score", "rollouts"), Curve("eval_score", "eval"))),
-    Chart("kl_per_token", "KL per token", "Mean per-token KL of the policy to the reference (k1 estimator).",
-          (Curve("kl_per_token", "KL / token"),)),
-    Chart("kl_per_response", "KL per response", "Mean over rollouts of the summed per-token KL.",
-          (Curve("kl_per_response", "KL / response"),)),
-    Chart("entropy", "Entropy", "Mean per-token entropy of the policy on its own rollouts.",
-          (Curve("entropy", "entropy"),)),
-    Chart("response_length", "Response length", "Mean number of generated tokens per rollout.",
-          (Curve("response_length", "tokens"),)),
-    Chart("policy_loss", "Policy loss", "Clipped PPO policy loss, mean over the iteration's optimiser steps.",
-          (Curve("policy_loss", "policy loss"),)),
-    Chart("value_loss", "Value loss", "Clipped value loss, mean over the iteration's optimiser steps.",
-          (Curve("value_loss", "value loss"),)),
-    Chart("clip_fraction", "Clip fraction", "Share of tokens whose probability ratio was clipped, "
-          "mean over optimiser steps.", (Curve("clip_fraction", "clip fraction"),)),
-    Chart("approx_kl", "Approx. KL of the update", "Approximate KL between the rollout policy and the "
-          "policy being trained, mean over optimiser steps.", (Curve("approx_kl", "approx KL"),)),
+    _one_curve("kl_per_token", "KL per token", "KL / token", "Mean per-token KL of the policy to the reference (k1 estimator)."),
+    _one_curve("kl_per_response", "KL per response", "KL / response", "Mean over rollouts of the summed per-token KL."),
+    _one_curve("entropy", "Entropy", "entropy", "Mean per-token entropy of the policy on its own rollouts."),
+    _one_curve("response_length", "Response length", "tokens", "Mean number of generated tokens per rollout."),
+    _one_curve("policy_loss", "Policy loss", "policy loss", "Clipped PPO policy loss, mean over the iteration's optimiser steps."),
+    _one_curve("value_loss", "Value loss", "value loss", "Clipped value loss, mean over the iteration's optimiser steps."),
+    _one_curve("clip_fraction", "Clip fraction", "clip fraction",
+               "Share of tokens whose probability ratio was clipped, mean over optimiser steps."),
+    _one_curve("approx_kl", "Approx. KL of the update", "approx KL",
+               "Approximate KL between the rollout policy and the policy being trained, mean over optimiser steps."),
 )  # fmt: skip
 
 SUMMARY_COLUMNS = {
@@ -160,57 +159,46 @@ def build_report(
 ) -> Path:
     """Write the HTML report of ``run`` and return its path.
 
-    ``output`` defaults to ``<root>/run=<run>/report.html``. ``iteration``
+    ``output`` defaults to the run's ``RunLayout.report``. ``iteration``
     picks the iteration of the advantage heatmap and the eval samples
     (default: the last completed one). Raises ValueError when the run has no
     iteration on disk, or when ``iteration`` is not a completed one.
     """
     root = Path(artifact_root)
-    run_dir = root / f"run={run}"
-    complete, in_progress = iterations_on_disk(run_dir)
+    layout = RunLayout(root, run)
+    complete, in_progress = iterations_on_disk(layout)
     if not complete and not in_progress:
         raise ValueError(f"run '{run}' has no iterations under artifact root {root}")
-    token_iter = _pick_iteration(run_dir, complete, iteration, HEATMAP_TABLES, run, root)
-    eval_iter = _pick_iteration(run_dir, complete, iteration, ("eval",), run, root)
+    token_iter = _pick_iteration(layout, complete, iteration, HEATMAP_TABLES)
+    eval_iter = _pick_iteration(layout, complete, iteration, ("eval",))
     con = connect(root)
-    summary = per_iteration_summary(con, run_dir, run, complete)
+    summary = per_iteration_summary(con, layout, complete)
     sections = [
-        header_html(run, root, run_dir, complete, in_progress),
+        header_html(layout, complete, in_progress),
         charts_html(summary),
         summary_table_html(summary),
         heatmap_html(con, run, token_iter, n_heatmap),
         eval_samples_html(con, run, eval_iter, iteration),
     ]
-    path = Path(output) if output is not None else run_dir / "report.html"
+    path = Path(output) if output is not None else layout.report
     with atomic_path(path) as tmp:
         tmp.write_text(page_html(run, sections), encoding="utf-8")
     return path
 
 
-def iterations_on_disk(run_dir: Path) -> tuple[list[int], list[int]]:
+def iterations_on_disk(layout: RunLayout) -> tuple[list[int], list[int]]:
     """(completed, in progress) iteration numbers of one run."""
-    found = sorted(int(p.name.removeprefix("iter=")) for p in run_dir.glob("iter=*") if p.is_dir())
-    complete = completed_in(run_dir)
-    return complete, [i for i in found if i not in complete]
+    complete = layout.completed_iterations()
+    return complete, [i for i in layout.iterations() if i not in complete]
 
 
-def _iter_dir(run_dir: Path, iteration: int) -> Path:
-    return run_dir / f"iter={iteration:04d}"
-
-
-def _has_tables(run_dir: Path, iteration: int, tables: tuple[str, ...]) -> bool:
-    return all(table_path(_iter_dir(run_dir, iteration), t).is_file() for t in tables)
-
-
-def _pick_iteration(
-    run_dir: Path, complete: list[int], requested: int | None, tables: tuple[str, ...], run: str, root: Path
-) -> int | None:
+def _pick_iteration(layout: RunLayout, complete: list[int], requested: int | None, tables: tuple[str, ...]) -> int | None:
     """The requested iteration, or the last completed one holding ``tables`` (None if there is none).
 
     A requested iteration without the token tables is an error; one without
     an evaluation just shows none (``eval_size = 0``).
     """
-    with_tables = [i for i in complete if _has_tables(run_dir, i, tables)]
+    with_tables = [i for i in complete if all(layout.table(i, t).is_file() for t in tables)]
     if requested is None:
         return with_tables[-1] if with_tables else None
     if requested in with_tables:
@@ -218,7 +206,7 @@ def _pick_iteration(
     if "eval" in tables and requested in complete:
         return None
     raise ValueError(
-        f"iteration {requested} of run '{run}' under artifact root {root} is not a completed iteration with "
+        f"iteration {requested} of run '{layout.run}' under artifact root {layout.root} is not a completed iteration with "
         f"{', '.join(tables)} tables; completed: {_ranges(complete) or 'none'}"
     )
 
@@ -226,14 +214,14 @@ def _pick_iteration(
 # --------------------------------------------------------------------------- numbers
 
 
-def per_iteration_summary(con: duckdb.DuckDBPyConnection, run_dir: Path, run: str, complete: list[int]) -> pl.DataFrame:
+def per_iteration_summary(con: duckdb.DuckDBPyConnection, layout: RunLayout, complete: list[int]) -> pl.DataFrame:
     """One row per completed iteration, one column per SUMMARY_COLUMNS entry (null where not measured)."""
     base = pl.DataFrame({"iter": complete}, schema={"iter": pl.Int32})
-    params = {"run": run, "iters": complete}
+    params = {"run": layout.run, "iters": complete}
     parts = [
         con.sql(sql.format(where=_RUN_ITERS), params=params).pl().with_columns(pl.col("iter").cast(pl.Int32))
         for table, sql in _PER_ITERATION_SQL.items()
-        if complete and any(run_dir.glob(f"iter=*/{table}.parquet"))
+        if complete and layout.has_table(table)
     ]
     joined = reduce(lambda left, right: left.join(right, on="iter", how="left"), parts, base)
     missing = [pl.lit(None, pl.Float64).alias(c) for c in SUMMARY_COLUMNS if c not in joined.columns]
@@ -287,28 +275,27 @@ def frame_table_html(frame: pl.DataFrame, table_id: str, headers: dict[str, str]
 # --------------------------------------------------------------------------- sections
 
 
-def header_html(run: str, root: Path, run_dir: Path, complete: list[int], in_progress: list[int]) -> str:
+def header_html(layout: RunLayout, complete: list[int], in_progress: list[int]) -> str:
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     progress = f" · in progress (not shown): {_ranges(in_progress)}" if in_progress else ""
     return (
-        f"<header><h1>PPO run <code>{html.escape(run)}</code></h1>"
+        f"<header><h1>PPO run <code>{html.escape(layout.run)}</code></h1>"
         f'<p class="sub">iterations: <b id="iterations">{_ranges(complete) or "none completed"}</b>{progress}'
-        f" · artifact root <code>{html.escape(str(root))}</code> · generated {generated}</p>"
-        f"{config_html(run_dir)}</header>"
+        f" · artifact root <code>{html.escape(str(layout.root))}</code> · generated {generated}</p>"
+        f"{config_html(layout.run_json)}</header>"
     )
 
 
-def config_html(run_dir: Path) -> str:
-    """The key fields of the run's pinned config (run.json)."""
-    path = run_dir / "run.json"
+def config_html(path: Path) -> str:
+    """The key fields of the run's pinned config."""
     try:
         pinned = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        return f'<p class="warn">no readable run.json ({html.escape(str(exc))})</p>'
+        return f'<p class="warn">no readable {path.name} ({html.escape(str(exc))})</p>'
     cfg = pinned.get("config", {})
     items = [(k, cfg[k]) for k in KEY_CONFIG if k in cfg] + [("training_hash", pinned.get("training_hash"))]
     body = "".join(f"<div><dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd></div>" for k, v in items)
-    return f'<details open><summary>Config (pinned in run.json)</summary><dl class="config">{body}</dl></details>'
+    return f'<details open><summary>Config (pinned in {path.name})</summary><dl class="config">{body}</dl></details>'
 
 
 def charts_html(summary: pl.DataFrame) -> str:

@@ -17,9 +17,11 @@ import mlx.optimizers as optim
 import numpy as np
 import polars as pl
 
+from ppo_core.config import RewardModelSettings
 from ppo_core.generate import render_prompts
+from ppo_core.layout import reward_model_path, reward_model_sidecar
 from ppo_core.models import REWARD, ModelError, PolicyValueModel
-from ppo_core.score import make_batch
+from ppo_core.score import TRUNK_CHUNK, make_batch, trunk_activations
 
 NORMALIZATIONS = ("none", "batch", "train")
 
@@ -67,7 +69,7 @@ def _last_position_rewards(model: PolicyValueModel, batch, trunk: mx.array, leng
     return model.reward_from_hidden(last)
 
 
-def score_texts(model: PolicyValueModel, prompts: list[str], responses: list[str], batch_size: int = 16) -> np.ndarray:
+def score_texts(model: PolicyValueModel, prompts: list[str], responses: list[str], batch_size: int) -> np.ndarray:
     """Reward-model score of each (prompt, response), in batches."""
     p_ids, r_ids = _sequences(model, prompts, responses)
     out = []
@@ -97,6 +99,7 @@ def train_reward_model(
     epochs: int,
     lr: float,
     batch_size: int,
+    score_batch_size: int,
     seed: int,
     on_epoch: Callable[[dict[str, float]], None] | None = None,
 ) -> RewardModelResult:
@@ -106,8 +109,7 @@ def train_reward_model(
     n = train.height
     p_ids, r_ids = _sequences(model, train["prompt"].to_list() * 2, train["chosen"].to_list() + train["rejected"].to_list())
     full = make_batch(p_ids, r_ids, model.pad_token_id)
-    trunk_all = mx.concatenate([model.trunk(full.tokens[lo : lo + 16]) for lo in range(0, 2 * n, 16)], axis=0)
-    mx.eval(trunk_all)
+    trunk_all = trunk_activations(model, full.tokens)
     lengths_all = mx.array([len(p) + len(r) for p, r in zip(p_ids, r_ids)])
 
     def loss_fn(params, idx):
@@ -135,26 +137,26 @@ def train_reward_model(
             correct += int((np.array(margin) > 0).sum())
         model.assign(params)
         row = {"epoch": epoch, "loss": float(np.mean(losses)), "train_accuracy": correct / n,
-               "eval_accuracy": pairwise_accuracy(model, held_out)}
+               "eval_accuracy": pairwise_accuracy(model, held_out, score_batch_size)}
         history.append(row)
         if on_epoch:
             on_epoch(row)
     # training-set score statistics (for reward_norm='train'), from the cached trunk
     scores = np.concatenate([
-        np.array(_last_position_rewards(model, full, trunk_all[lo : lo + 16], lengths_all[lo : lo + 16]))
-        for lo in range(0, 2 * n, 16)
+        np.array(_last_position_rewards(model, full, trunk_all[lo : lo + TRUNK_CHUNK], lengths_all[lo : lo + TRUNK_CHUNK]))
+        for lo in range(0, 2 * n, TRUNK_CHUNK)
     ])
     return RewardModelResult(history[-1]["train_accuracy"], history[-1]["eval_accuracy"],
                              float(scores.mean()), float(scores.std() + 1e-8), history)
 
 
-def pairwise_accuracy(model: PolicyValueModel, pairs: pl.DataFrame) -> float:
-    chosen = score_texts(model, pairs["prompt"].to_list(), pairs["chosen"].to_list())
-    rejected = score_texts(model, pairs["prompt"].to_list(), pairs["rejected"].to_list())
+def pairwise_accuracy(model: PolicyValueModel, pairs: pl.DataFrame, batch_size: int) -> float:
+    chosen = score_texts(model, pairs["prompt"].to_list(), pairs["chosen"].to_list(), batch_size)
+    rejected = score_texts(model, pairs["prompt"].to_list(), pairs["rejected"].to_list(), batch_size)
     return float(np.mean(chosen > rejected))
 
 
-def layout(cfg_like) -> dict[str, str]:
+def lora_layout(cfg_like) -> dict[str, str]:
     """The LoRA layout a reward-model file was trained with; PPO must match it to load it."""
     return {
         "lora_layers": str(cfg_like.lora_layers), "lora_rank": str(cfg_like.lora_rank),
@@ -163,10 +165,10 @@ def layout(cfg_like) -> dict[str, str]:
 
 
 def save_reward_model(model: PolicyValueModel, path: Path, cfg_like, result: RewardModelResult) -> Path:
-    meta = {**layout(cfg_like), "model_dir": model.model_dir.name, "score_mean": repr(result.score_mean),
+    meta = {**lora_layout(cfg_like), "model_dir": model.model_dir.name, "score_mean": repr(result.score_mean),
             "score_std": repr(result.score_std), "eval_accuracy": repr(result.eval_accuracy)}
     model.save_adapter(REWARD, path, metadata=meta)
-    path.with_suffix(".json").write_text(json.dumps({**meta, "history": result.history}, indent=2))
+    reward_model_sidecar(path).write_text(json.dumps({**meta, "history": result.history}, indent=2))
     return path
 
 
@@ -175,7 +177,7 @@ class LearnedReward:
 
     name = "model"
 
-    def __init__(self, model: PolicyValueModel, path: Path, cfg_like, normalize: str = "none", batch_size: int = 16):
+    def __init__(self, model: PolicyValueModel, path: Path, cfg_like, normalize: str = "none"):
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"reward normalisation must be one of {NORMALIZATIONS}")
         path = Path(path)
@@ -189,7 +191,7 @@ class LearnedReward:
                 f"reward model {path} was trained on base model {meta['model_dir']!r}, "
                 f"but this run uses {model.model_dir.name!r}; train one on this model with `ppo reward-model`"
             )
-        expected = layout(cfg_like)
+        expected = lora_layout(cfg_like)
         wrong = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
         if wrong:
             raise ModelError(
@@ -197,7 +199,7 @@ class LearnedReward:
                 + ", ".join(f"{k} {a} (run uses {b})" for k, (a, b) in wrong.items())
             )
         model.load_adapter(REWARD, path)
-        self.model, self.normalize, self.batch_size = model, normalize, batch_size
+        self.model, self.normalize, self.batch_size = model, normalize, cfg_like.score_batch_size
         self.mean, self.std = float(meta["score_mean"]), float(meta["score_std"])
         self.name = f"model:{path.name}"
 
@@ -210,22 +212,18 @@ class LearnedReward:
         return scores
 
 
-def reward_model_path(artifact_root: Path, name: str) -> Path:
-    return Path(artifact_root) / "reward_models" / f"{name}.safetensors"
-
-
 def train_from_file(
-    cfg_like, data_path: Path, name: str, *, epochs: int = 2, lr: float = 1e-3, batch_size: int = 8,
-    eval_fraction: float = 0.2, on_epoch: Callable[[dict[str, float]], None] | None = None,
+    cfg_like, settings: RewardModelSettings, on_epoch: Callable[[dict[str, float]], None] | None = None
 ) -> dict:
-    """Load pairs, split by prompt, train, save ``<root>/reward_models/<name>.safetensors``."""
+    """Load pairs, split by prompt, train, save to ``layout.reward_model_path(root, name)``."""
     from ppo_core.models import load_policy_value_model
 
-    pairs = load_preferences(data_path)
-    train, held = split_pairs(pairs, eval_fraction, cfg_like.seed)
+    pairs = load_preferences(settings.data)
+    train, held = split_pairs(pairs, settings.eval_fraction, cfg_like.seed)
     model = load_policy_value_model(cfg_like)
-    result = train_reward_model(model, train, held, epochs=epochs, lr=lr, batch_size=batch_size,
+    result = train_reward_model(model, train, held, epochs=settings.epochs, lr=settings.lr,
+                                batch_size=settings.batch_size, score_batch_size=cfg_like.score_batch_size,
                                 seed=cfg_like.seed, on_epoch=on_epoch)
-    path = save_reward_model(model, reward_model_path(cfg_like.artifact_root, name), cfg_like, result)
+    path = save_reward_model(model, reward_model_path(cfg_like.artifact_root, settings.name), cfg_like, result)
     return {"path": str(path), "train_pairs": train.height, "eval_pairs": held.height,
             "train_accuracy": result.train_accuracy, "eval_accuracy": result.eval_accuracy, "history": result.history}

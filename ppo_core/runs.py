@@ -1,4 +1,4 @@
-"""Run-level bookkeeping: the run's pinned config, iteration numbering, manifests."""
+"""Run-level bookkeeping: the run's pinned config, its lock, iteration numbering, manifests."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def pin_config(cfg: PPOConfig) -> None:
 
     A run's tables must never mix two configs: change a knob, start a new run.
     """
-    path = cfg.run_dir / "run.json"
+    path = cfg.layout.run_json
     if path.is_file():
         pinned = json.loads(path.read_text())
         if pinned["training_hash"] != cfg.training_hash():
@@ -76,8 +76,8 @@ class RunBusyError(RuntimeError):
 @contextlib.contextmanager
 def run_lock(cfg: PPOConfig):
     """Exclusive lock on a run: two processes never interleave one run's iterations."""
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    path = cfg.run_dir / ".lock"
+    path = cfg.layout.lock
+    path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(path, "a+")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -97,27 +97,17 @@ def run_lock(cfg: PPOConfig):
         fh.close()
 
 
-def completed_iterations(cfg: PPOConfig) -> list[int]:
-    return completed_in(cfg.run_dir)
-
-
-def completed_in(run_dir: Path) -> list[int]:
-    """Iterations of the run in ``run_dir`` that finished: the pipeline writes manifest.json after the last phase."""
-    return sorted(int(p.parent.name.removeprefix("iter=")) for p in run_dir.glob("iter=*/manifest.json"))
-
-
 def next_iteration(cfg: PPOConfig) -> int:
-    done = completed_iterations(cfg)
+    done = cfg.layout.completed_iterations()
     return (done[-1] + 1) if done else 1
 
 
 def write_manifest(cfg: PPOConfig, iteration: int, phase_results: list[dict[str, Any]]) -> Path:
-    """manifest.json: content hash of every artifact, config hash, code version."""
-    iter_dir = cfg.iter_dir(iteration)
+    """The iteration's manifest: content hash of every artifact, config hash, code version."""
     artifacts = {}
     for r in phase_results:
         for name, p in r["outputs"].items():
-            rel = Path(p).resolve().relative_to(cfg.run_dir.resolve())
+            rel = Path(p).resolve().relative_to(cfg.layout.run_dir.resolve())
             artifacts[str(rel)] = sha256_file(Path(p))
     manifest = {
         "run": cfg.run,
@@ -127,7 +117,7 @@ def write_manifest(cfg: PPOConfig, iteration: int, phase_results: list[dict[str,
         "artifacts": artifacts,
         "phases": {r["phase"]: {"cached": r["cached"], "seconds": r["seconds"], "stats": r["stats"]} for r in phase_results},
     }
-    path = iter_dir / "manifest.json"
+    path = cfg.layout.manifest(iteration)
     if path.is_file():
         old = json.loads(path.read_text())
         if old.get("artifacts") == artifacts and old.get("config_hash") == manifest["config_hash"]:
@@ -136,24 +126,9 @@ def write_manifest(cfg: PPOConfig, iteration: int, phase_results: list[dict[str,
     return path
 
 
-def iteration_metrics(phase_results: list[dict[str, Any]]) -> dict[str, float]:
-    """The per-iteration numbers logged to MLflow at step = iteration."""
-    by = {r["phase"]: r for r in phase_results}
-    out: dict[str, float] = {}
-    for phase in ("rollout", "attribute", "reward", "value", "advantage", "train", "evaluate"):
-        r = by.get(phase)
-        if r is None:
-            continue
-        out.update({f"{phase}/{k}": float(v) for k, v in r["stats"].items() if k != "tokens"})
-        if r["seconds"] > 0 and not r["cached"]:
-            out[f"time/{phase}_seconds"] = r["seconds"]
-            if "tokens" in r["stats"]:
-                out[f"time/{phase}_tokens_per_s"] = r["stats"]["tokens"] / r["seconds"]
-    return out
-
-
 def step_rows(cfg: PPOConfig, iteration: int) -> list[dict[str, Any]]:
-    path = cfg.iter_dir(iteration) / "metrics.parquet"
+    """The iteration's optimiser-step metrics, numbered by a step count global to the run."""
+    path = cfg.layout.table(iteration, "metrics")
     if not path.is_file():
         return []
     df = pl.read_parquet(path)

@@ -81,10 +81,6 @@ def setup_blas() -> BlasState:
     return _STATE
 
 
-def blas_state() -> BlasState:
-    return setup_blas()
-
-
 def matmul_gflops(n: int = 1024, repeats: int = 5) -> tuple[float, float]:
     """Median float32 matmul GFLOP/s of MLX on the CPU, and max |error| vs numpy."""
     setup_blas()

@@ -46,6 +46,23 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
     return Batch(mx.array(tokens), mx.array(positions), mx.array(targets), mx.array(mask))
 
 
+TRUNK_CHUNK = 16  # rows per pass when precomputing frozen-layer activations for a whole batch
+
+
+def trunk_activations(model: PolicyValueModel, tokens: mx.array, chunk: int = TRUNK_CHUNK) -> mx.array:
+    """Frozen-layer activations of every row of ``tokens``, computed ``chunk`` rows at a time.
+
+    Training reuses them in every epoch and for every adapter; chunking bounds
+    the memory of the pass itself.
+    """
+    parts = []
+    for lo in range(0, tokens.shape[0], chunk):
+        part = model.trunk(tokens[lo : lo + chunk])
+        mx.eval(part)
+        parts.append(part)
+    return mx.concatenate(parts, axis=0)
+
+
 def response_hidden(model: PolicyValueModel, batch: Batch, adapter: str | None, trunk: mx.array | None = None) -> mx.array:
     """(B, T, H) hidden states of the states that precede each response token.
 

@@ -1,8 +1,7 @@
-"""Arrow schemas of the experience tables, atomic Parquet writes, manifests.
+"""Arrow schemas of the experience tables, atomic writes, content hashes.
 
-Layout: ``<root>/run=<run>/iter=<NNNN>/<table>.parquet`` so DuckDB and Polars
-read ``run`` and ``iter`` as hive partitions. The three token tables have one
-row per generated token; no row ever stores the state text (quadratic).
+Where a table lives is ``ppo_core.layout``'s business. The three token tables
+have one row per generated token; no row ever stores the state text (quadratic).
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -20,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ppo_core.faults import failpoint
+from ppo_core.layout import table_file
 
 ROLLOUTS = pa.schema(
     [
@@ -35,56 +34,32 @@ ROLLOUTS = pa.schema(
     ]
 )
 
+TOKEN_KEY = [("rollout_id", pa.int32()), ("t", pa.int32())]  # one row per generated token
+
+
+def _float32(*names: str) -> list[tuple[str, pa.DataType]]:
+    return [(n, pa.float32()) for n in names]
+
+
+# kl = logprob - ref_logprob (the k1 estimator)
 SA_PAIRS = pa.schema(
-    [
-        ("rollout_id", pa.int32()),
-        ("t", pa.int32()),
-        ("token_id", pa.int32()),
-        ("token", pa.string()),
-        ("logprob", pa.float32()),
-        ("ref_logprob", pa.float32()),
-        ("kl", pa.float32()),  # logprob - ref_logprob (k1 estimator)
-        ("entropy", pa.float32()),
-    ]
+    [*TOKEN_KEY, ("token_id", pa.int32()), ("token", pa.string()), *_float32("logprob", "ref_logprob", "kl", "entropy")]
 )
 
-REWARDS = pa.schema(
-    [
-        ("rollout_id", pa.int32()),
-        ("t", pa.int32()),
-        ("score", pa.float32()),  # non-zero at the last token only
-        ("kl_penalty", pa.float32()),  # -kl_coef * kl
-        ("reward", pa.float32()),  # score + kl_penalty
-    ]
-)
+# score is non-zero at the last token only; kl_penalty = -kl_coef * kl; reward = score + kl_penalty
+REWARDS = pa.schema([*TOKEN_KEY, *_float32("score", "kl_penalty", "reward")])
 
-VALUES = pa.schema([("rollout_id", pa.int32()), ("t", pa.int32()), ("value", pa.float32())])
+VALUES = pa.schema([*TOKEN_KEY, *_float32("value")])
 
-ADVANTAGES = pa.schema(
-    [
-        ("rollout_id", pa.int32()),
-        ("t", pa.int32()),
-        ("value", pa.float32()),
-        ("td_error", pa.float32()),
-        ("advantage", pa.float32()),
-        ("whitened_advantage", pa.float32()),
-        ("return", pa.float32()),
-    ]
-)
+ADVANTAGES = pa.schema([*TOKEN_KEY, *_float32("value", "td_error", "advantage", "whitened_advantage", "return")])
 
 METRICS = pa.schema(
     [
-        ("step", pa.int32()),
-        ("epoch", pa.int32()),
-        ("minibatch", pa.int32()),
-        ("policy_loss", pa.float32()),
-        ("value_loss", pa.float32()),
-        ("entropy", pa.float32()),
-        ("approx_kl", pa.float32()),
-        ("clip_fraction", pa.float32()),
-        ("value_clip_fraction", pa.float32()),
-        ("policy_grad_norm", pa.float32()),
-        ("value_grad_norm", pa.float32()),
+        *[(n, pa.int32()) for n in ("step", "epoch", "minibatch")],
+        *_float32(
+            "policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "value_clip_fraction",
+            "policy_grad_norm", "value_grad_norm",
+        ),
     ]
 )
 
@@ -166,10 +141,6 @@ def atomic_write_text(path: Path, text: str) -> None:
         tmp.write_text(text)
 
 
-def table_path(iter_dir: Path, name: str) -> Path:
-    return iter_dir / f"{name}.parquet"
-
-
 def write_table(
     iter_dir: Path, name: str, data: pa.Table | dict[str, Any], metadata: dict[str, str] | None = None
 ) -> Path:
@@ -182,7 +153,7 @@ def write_table(
             table = table.replace_schema_metadata(metadata)
     except (KeyError, pa.ArrowInvalid, pa.ArrowTypeError, ValueError) as exc:
         raise TableError(f"{name}: data does not match its schema: {exc}") from exc
-    path = table_path(iter_dir, name)
+    path = iter_dir / table_file(name)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")
     return path
@@ -204,9 +175,3 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def write_manifest(iter_dir: Path, entries: dict[str, Any]) -> Path:
-    path = iter_dir / "manifest.json"
-    atomic_write_text(path, json.dumps(entries, indent=2, sort_keys=True))
-    return path

@@ -1,35 +1,30 @@
-"""MLflow tracking: the only module that imports mlflow.
+"""MLflow tracking: the store, one MLflow run per PPO run, its metrics and artifacts.
 
 One MLflow run per PPO run (tag ``ppo.run``), re-attached on resume; params are
-the whole config; iteration metrics use step = iteration. The final policy
-adapter of each flow run becomes a version of registered model ``ppo-<run>``
-(``register_policy``); ``ppo_core.registry`` loads a version back as a model.
+the whole config; iteration metrics use step = iteration. With
+``ppo_core.registry`` (the model registry) the only modules that import mlflow.
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 from ppo_core.config import PPOConfig
+from ppo_core.layout import iter_label, mlflow_db, mlruns_dir
+from ppo_core.models import PPO_ADAPTERS
 
 EXPERIMENT = "ppo"
 RUN_TAG = "ppo.run"
-POLICY_FILE = "policy_adapter.safetensors"  # as logged by log_iteration: the checkpoint file's own name
-
-
-class RegistryError(LookupError):
-    """A registered policy is missing, damaged, or does not fit the config loading it."""
 
 
 def tracking_uri(cfg: PPOConfig) -> str:
     """MLFLOW_TRACKING_URI if set (a server), else an embedded SQLite store under the artifact root."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(cfg.artifact_root / 'mlflow.db').resolve()}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{mlflow_db(cfg.artifact_root).resolve()}"
 
 
 def registry_uri(cfg: PPOConfig) -> str:
@@ -56,7 +51,7 @@ def _experiment_id(cfg: PPOConfig, mlf, name: str = EXPERIMENT) -> str:
     exp = mlf.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    return mlf.create_experiment(name, artifact_location=(cfg.artifact_root / "mlruns").resolve().as_uri())
+    return mlf.create_experiment(name, artifact_location=mlruns_dir(cfg.artifact_root).resolve().as_uri())
 
 
 def _flat_params(cfg: PPOConfig) -> dict[str, str]:
@@ -77,11 +72,11 @@ def ensure_run(cfg: PPOConfig) -> str:
     return run.info.run_id
 
 
-def log_iteration(
-    cfg: PPOConfig, iteration: int, metrics: dict[str, float], step_rows: list[dict[str, Any]], iter_dir: Path
-) -> None:
+def log_iteration(cfg: PPOConfig, iteration: int, metrics: dict[str, float], step_rows: list[dict[str, Any]]) -> None:
     """Per-iteration metrics at step=iteration; per-optimiser-step metrics at a global step."""
     from mlflow.entities import Metric
+
+    layout = cfg.layout
 
     mlf = client(cfg)
     run_id = ensure_run(cfg)
@@ -95,19 +90,19 @@ def log_iteration(
         batch += [Metric(f"step/{k}", float(row[k]), now, gstep) for k in ("policy_loss", "value_loss", "approx_kl", "clip_fraction")]
     for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 entities
         mlf.log_batch(run_id, metrics=batch[i : i + 900])
-    mlf.set_tag(run_id, f"iter.{iteration:04d}.parquet", str(iter_dir.resolve()))
+    mlf.set_tag(run_id, f"iter.{iteration:04d}.parquet", str(layout.iter_dir(iteration).resolve()))
     mlf.set_tag(run_id, "last_iteration", str(iteration))
-    from ppo_core.train import checkpoint_paths
-
-    for key, path in checkpoint_paths(iter_dir / "checkpoint").items():
-        if key.endswith("_adapter") and path.is_file():
-            mlf.log_artifact(run_id, str(path), artifact_path=adapter_artifact_dir(iteration))
-    _log_table_inputs(mlf, run_id, iter_dir, iteration)
-    if (iter_dir / "eval.parquet").is_file():
+    ckpt = layout.checkpoint(iteration)
+    for a in PPO_ADAPTERS:
+        if ckpt.adapter(a).is_file():
+            mlf.log_artifact(run_id, str(ckpt.adapter(a)), artifact_path=adapter_artifact_dir(iteration))
+    _log_table_inputs(cfg, mlf, run_id, iteration)
+    eval_table = layout.table(iteration, "eval")
+    if eval_table.is_file():
         import pyarrow.parquet as pq
 
-        samples = pq.read_table(iter_dir / "eval.parquet", columns=["prompt_id", "prompt", "response", "score"])
-        mlf.log_table(run_id, data=samples.to_pandas(), artifact_file=f"samples/iter={iteration:04d}.json")
+        samples = pq.read_table(eval_table, columns=["prompt_id", "prompt", "response", "score"])
+        mlf.log_table(run_id, data=samples.to_pandas(), artifact_file=f"samples/{iter_label(iteration)}.json")
 
 
 def log_report(cfg: PPOConfig, path: Path) -> None:
@@ -117,21 +112,19 @@ def log_report(cfg: PPOConfig, path: Path) -> None:
 
 def adapter_artifact_dir(iteration: int) -> str:
     """Run-relative artifact folder holding an iteration's adapters."""
-    return f"adapters/iter={iteration:04d}"
+    return f"adapters/{iter_label(iteration)}"
 
 
-def _log_table_inputs(mlf, run_id: str, iter_dir: Path, iteration: int) -> None:
+def _log_table_inputs(cfg: PPOConfig, mlf, run_id: str, iteration: int) -> None:
     """Record each experience table as an MLflow dataset input: source = its path, digest = its hash.
 
     The manifest already holds the content hashes, so no table is read here.
     """
-    import json
-
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.data.sources import LocalArtifactDatasetSource
     from mlflow.entities import DatasetInput, InputTag
 
-    manifest_path = iter_dir / "manifest.json"
+    manifest_path = cfg.layout.manifest(iteration)
     if not manifest_path.is_file():
         return
     artifacts = json.loads(manifest_path.read_text())["artifacts"]
@@ -139,8 +132,8 @@ def _log_table_inputs(mlf, run_id: str, iter_dir: Path, iteration: int) -> None:
     for rel, digest in sorted(artifacts.items()):
         if not rel.endswith(".parquet"):
             continue
-        path = iter_dir.parent / rel
-        ds = MetaDataset(source=LocalArtifactDatasetSource(str(path.resolve())), name=f"{path.stem}@iter={iteration:04d}", digest=digest[:16])
+        path = cfg.layout.run_dir / rel
+        ds = MetaDataset(source=LocalArtifactDatasetSource(str(path.resolve())), name=f"{path.stem}@{iter_label(iteration)}", digest=digest[:16])
         inputs.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")]))
     if inputs:
         mlf.log_inputs(run_id, datasets=inputs)
@@ -179,203 +172,3 @@ def log_reward_model(cfg: PPOConfig, name: str, params: dict[str, Any], result: 
     mlf.log_artifact(run.info.run_id, result["path"], artifact_path="reward_model")
     mlf.set_terminated(run.info.run_id, "FINISHED")
     return run.info.run_id
-
-
-# ---------------------------------------------------------------- model registry
-
-
-def registered_model_name(cfg: PPOConfig) -> str:
-    """One registered model per PPO run, as there is one MLflow run per PPO run."""
-    return f"ppo-{cfg.run}"
-
-
-def policy_identity(cfg: PPOConfig) -> dict[str, str]:
-    """What a policy adapter shares with every config able to load it: base weights and LoRA layout.
-
-    The base model is named by its resolved directory, as reward-model files do:
-    for SmolLM2 that name holds the GGUF's content digest and the converter version.
-    """
-    from ppo_core.models import resolve_model_dir
-    from ppo_core.reward_model import layout
-
-    return {"base_model_dir": resolve_model_dir(cfg.model, cfg.artifact_root).name, **layout(cfg)}
-
-
-def register_policy(cfg: PPOConfig, iteration: int):
-    """Register ``iteration``'s policy adapter as a version of ``ppo-<run>``; returns the ModelVersion.
-
-    The version's source is the adapter folder logged on the PPO run
-    (``runs:/<run_id>/adapters/iter=NNNN``). Idempotent: an iteration already
-    registered returns its existing version, so a resumed flow adds no duplicate.
-    """
-    mlf = client(cfg)
-    run_id = ensure_run(cfg)
-    name = registered_model_name(cfg)
-    _ensure_registered_model(mlf, cfg, name)
-    existing = [v for v in _all_versions(mlf, name) if v.run_id == run_id and v.tags.get("iteration") == str(iteration)]
-    if existing:
-        return min(existing, key=lambda v: int(v.version))
-    artifact_dir = _ensure_policy_logged(mlf, cfg, run_id, iteration)
-    tags = {
-        RUN_TAG: cfg.run,
-        "iteration": str(iteration),
-        "base_model": cfg.model,
-        **policy_identity(cfg),
-        **_provenance(cfg, iteration),
-        # the hash of what the source holds, so a loader can tell a replaced artifact
-        "adapter_sha256": _artifact_sha256(mlf, run_id, f"{artifact_dir}/{POLICY_FILE}"),
-    }
-    eval_score = _metric_at(mlf, run_id, "evaluate/eval_score", iteration)
-    if eval_score is not None:
-        tags["eval_score"] = repr(eval_score)
-    version = mlf.create_model_version(name, f"runs:/{run_id}/{artifact_dir}", run_id=run_id, tags=tags)
-    # the description names its own version number, known only once created
-    return mlf.update_model_version(name, version.version, description=_how_to_load(cfg, name, version.version, tags))
-
-
-def policy_version(cfg: PPOConfig, version: int | str = "latest"):
-    """ModelVersion ``version`` of ``ppo-<run>``: a number, or 'latest' for the highest one."""
-    mlf = client(cfg)
-    name = registered_model_name(cfg)
-    versions = {int(v.version): v for v in _all_versions(mlf, name)}
-    if not versions:
-        raise RegistryError(
-            f"registered model '{name}' has no versions in {registry_uri(cfg)}: "
-            f"a successful flow run of run '{cfg.run}' registers its final policy"
-        )
-    wanted = max(versions) if str(version).lower() == "latest" else _version_number(version)
-    if wanted not in versions:
-        raise RegistryError(f"registered model '{name}' has no version {wanted} (it has {sorted(versions)})")
-    return versions[wanted]
-
-
-def download_policy(cfg: PPOConfig, version: int | str, dst_dir: Path):
-    """(ModelVersion, local adapter file) of a registered version, checked against its recorded sha256."""
-    import mlflow.artifacts
-    from mlflow.exceptions import MlflowException
-
-    from ppo_core.tables import sha256_file
-
-    mv = policy_version(cfg, version)
-    where = f"registered model '{mv.name}' version {mv.version} ({mv.source})"
-    try:
-        with _quiet_download():
-            local = mlflow.artifacts.download_artifacts(
-                artifact_uri=f"{mv.source}/{POLICY_FILE}", dst_path=str(dst_dir),
-                tracking_uri=tracking_uri(cfg), registry_uri=registry_uri(cfg),
-            )
-    except (MlflowException, OSError) as exc:
-        raise RegistryError(f"cannot download the policy adapter of {where}: {exc}") from exc
-    recorded = mv.tags.get("adapter_sha256")
-    if recorded and sha256_file(Path(local)) != recorded:
-        raise RegistryError(
-            f"the policy adapter of {where} is not the file registered (sha256 differs from tag "
-            f"adapter_sha256 {recorded[:12]}…): the artifact was altered or replaced"
-        )
-    return mv, Path(local)
-
-
-@contextlib.contextmanager
-def _quiet_download():
-    """No MLflow progress bar for the one small adapter file: it would land in `ppo generate`'s output."""
-    with mock.patch.dict(os.environ, {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}):
-        yield
-
-
-def _all_versions(mlf, name: str) -> list:
-    versions, token = [], None
-    while True:
-        page = mlf.search_model_versions(f"name = '{name}'", page_token=token)
-        versions += list(page)
-        token = page.token
-        if not token:
-            return versions
-
-
-def _version_number(version: int | str) -> int:
-    try:
-        return int(version)
-    except (TypeError, ValueError):
-        raise RegistryError(f"model version must be a number or 'latest' (got {version!r})") from None
-
-
-def _ensure_registered_model(mlf, cfg: PPOConfig, name: str) -> None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        mlf.get_registered_model(name)
-        return
-    except MlflowException as exc:
-        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
-            raise
-    mlf.create_registered_model(
-        name, tags={RUN_TAG: cfg.run},
-        description=f"Policy LoRA adapters of PPO run '{cfg.run}': one version per flow run, "
-        "holding the last iteration it trained.",
-    )
-
-
-def _ensure_policy_logged(mlf, cfg: PPOConfig, run_id: str, iteration: int) -> str:
-    """The run-relative folder of the iteration's logged policy adapter, logging it now if absent.
-
-    It is absent when the iteration was trained without tracking (``pipeline.run``),
-    or when log_iteration was interrupted after marking the iteration logged.
-    """
-    from ppo_core.phases import checkpoint_dir
-    from ppo_core.train import checkpoint_paths
-
-    artifact_dir = adapter_artifact_dir(iteration)
-    if f"{artifact_dir}/{POLICY_FILE}" in {a.path for a in mlf.list_artifacts(run_id, artifact_dir)}:
-        return artifact_dir
-    local = checkpoint_paths(checkpoint_dir(cfg, iteration))["policy_adapter"]
-    if not local.is_file():
-        raise RegistryError(
-            f"iteration {iteration} of run '{cfg.run}' has no policy adapter to register: "
-            f"neither the MLflow artifact {artifact_dir}/{POLICY_FILE} nor {local} exists"
-        )
-    mlf.log_artifact(run_id, str(local), artifact_path=artifact_dir)
-    return artifact_dir
-
-
-def _artifact_sha256(mlf, run_id: str, path: str) -> str:
-    import tempfile
-
-    from ppo_core.tables import sha256_file
-
-    with tempfile.TemporaryDirectory() as tmp, _quiet_download():
-        return sha256_file(Path(mlf.download_artifacts(run_id, path, tmp)))
-
-
-def _provenance(cfg: PPOConfig, iteration: int) -> dict[str, str]:
-    """Config hash and code version from the iteration's manifest: what produced the adapter."""
-    import json
-
-    path = cfg.iter_dir(iteration) / "manifest.json"
-    manifest = json.loads(path.read_text()) if path.is_file() else {}
-    out = {"config_hash": manifest.get("config_hash", cfg.training_hash())}
-    if "code_version" in manifest:
-        out["code_version"] = manifest["code_version"]
-    return out
-
-
-def _metric_at(mlf, run_id: str, key: str, step: int) -> float | None:
-    values = [m.value for m in mlf.get_metric_history(run_id, key) if m.step == step]
-    return values[-1] if values else None
-
-
-def _how_to_load(cfg: PPOConfig, name: str, version: int | str, tags: dict[str, str]) -> str:
-    return f"""Policy LoRA adapter ({POLICY_FILE}) of PPO run '{cfg.run}' after iteration {tags['iteration']}. \
-It is not a standalone model: it applies to base model `{tags['base_model']}` (directory `{tags['base_model_dir']}`) \
-with LoRA on the last {tags['lora_layers']} layers, rank {tags['lora_rank']}, alpha {tags['lora_alpha']}, \
-targets {tags['lora_targets']}.
-
-Load it onto the base model and generate (Python, this project installed):
-
-    from ppo_core import registry
-    cfg = registry.run_config("{cfg.run}", artifact_root="{cfg.artifact_root.resolve()}")
-    model = registry.load_registered_policy(cfg, version={version})
-    print(registry.generate_text(model, ["How was your day?"]))
-
-The files alone (this policy adapter and the value adapter of the same iteration): \
-`mlflow artifacts download -u models:/{name}/{version}` with MLFLOW_TRACKING_URI={tracking_uri(cfg)}.
-"""

@@ -1,10 +1,14 @@
-"""Minibatch PPO epochs over one iteration's tables; adapters checkpointed per iteration."""
+"""Minibatch PPO epochs over one iteration's tables.
+
+``ppo_update`` shuffles the rollouts into minibatches each epoch; ``PPOStep``
+takes one clipped-gradient optimiser step of the policy and one of the value
+adapter per ``Minibatch``, in the spirit of mlx-lm's ``step(batch)``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -12,14 +16,12 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ppo_core.advantage import to_grid
+from ppo_core.config import PPOConfig
 from ppo_core.faults import failpoint
 from ppo_core.losses import policy_loss, value_loss
 from ppo_core.models import PPO_ADAPTERS, POLICY, VALUE, PolicyValueModel
-from ppo_core.score import make_batch, token_logprobs, token_values
+from ppo_core.score import Batch, make_batch, token_logprobs, token_values, trunk_activations
 from ppo_core.tables import atomic_path
-
-
-TRUNK_CHUNK = 16  # rows per pass when precomputing frozen-layer activations
 
 
 class TrainingError(RuntimeError):
@@ -42,17 +44,36 @@ class TrainData:
         return np.array([len(r) for r in self.response_ids])
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainSettings:
     epochs: int
     num_minibatches: int
-    policy_lr: float
-    value_lr: float
     clip_range: float
     value_clip_range: float
     entropy_coef: float
     max_grad_norm: float
     temperature: float
+
+    @classmethod
+    def from_config(cls, cfg: PPOConfig) -> TrainSettings:
+        return cls(
+            epochs=cfg.ppo_epochs, num_minibatches=cfg.num_minibatches, clip_range=cfg.clip_range,
+            value_clip_range=cfg.value_clip_range, entropy_coef=cfg.entropy_coef,
+            max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature,
+        )
+
+
+@dataclass
+class Minibatch:
+    """Some rollouts of the batch, padded, with their per-token targets on the (B, T) grid."""
+
+    batch: Batch
+    trunk: mx.array  # frozen-layer activations of batch.tokens
+    old_logprob: mx.array
+    advantage: mx.array
+    old_value: mx.array
+    returns: mx.array
+    where: str  # "epoch E minibatch M", for error messages
 
 
 # Optimiser trees are keyed by '/'-joined paths so that tree_flatten/unflatten
@@ -78,21 +99,54 @@ def load_optimizer(opt: optim.Optimizer, path: Path) -> None:
     opt.state = tree_unflatten(list(mx.load(str(path)).items()))
 
 
-def checkpoint_paths(ckpt_dir: Path) -> dict[str, Path]:
-    paths = {}
-    for a in PPO_ADAPTERS:
-        paths[f"{a}_adapter"] = ckpt_dir / f"{a}_adapter.safetensors"
-        paths[f"{a}_optimizer"] = ckpt_dir / f"{a}_optimizer.safetensors"
-    return paths
-
-
-def _grid(flat: np.ndarray, lengths: np.ndarray) -> mx.array:
-    return mx.array(to_grid(flat, lengths)[0].astype(np.float32))
-
-
 def _finite(name: str, value: mx.array, where: str) -> None:
     if not bool(mx.isfinite(value).all()):
         raise TrainingError(f"non-finite {name} at {where}; the iteration fails and the checkpoint is not advanced")
+
+
+class PPOStep:
+    """One optimiser step of the policy and one of the value adapter per minibatch."""
+
+    def __init__(self, model: PolicyValueModel, settings: TrainSettings, optimizers: dict[str, optim.Optimizer]):
+        self.model, self.settings, self.optimizers = model, settings, optimizers
+        self.params = {a: _slash(model.trainable(a)) for a in PPO_ADAPTERS}
+        self._grads = {POLICY: mx.value_and_grad(self._policy_objective), VALUE: mx.value_and_grad(self._value_objective)}
+
+    def _policy_objective(self, params, mb: Minibatch):
+        s = self.settings
+        self.model.assign(_dot(params))
+        # entropy is a training signal only with a bonus; attribute reports it otherwise
+        lp, ent = token_logprobs(self.model, mb.batch, POLICY, s.temperature, mb.trunk, s.entropy_coef > 0)
+        return policy_loss(lp, mb.old_logprob, mb.advantage, mb.batch.mask, s.clip_range, ent, s.entropy_coef)
+
+    def _value_objective(self, params, mb: Minibatch):
+        self.model.assign(_dot(params))
+        v = token_values(self.model, mb.batch, VALUE, mb.trunk)
+        return value_loss(v, mb.old_value, mb.returns, mb.batch.mask, self.settings.value_clip_range)
+
+    def _update(self, adapter: str, loss_name: str, mb: Minibatch) -> tuple[dict[str, mx.array], mx.array]:
+        """One clipped-gradient step of ``adapter``; fails loudly on non-finite numbers."""
+        (_, stats), grads = self._grads[adapter](self.params[adapter], mb)
+        grads, norm = optim.clip_grad_norm(grads, self.settings.max_grad_norm)
+        mx.eval(stats, norm)
+        _finite(f"{adapter} loss", stats[loss_name], mb.where)
+        _finite(f"{adapter} gradient norm", norm, mb.where)
+        self.params[adapter] = self.optimizers[adapter].apply_gradients(grads, self.params[adapter])
+        return stats, norm
+
+    def __call__(self, mb: Minibatch) -> dict[str, float]:
+        """Step both adapters on ``mb``; returns the step's metrics."""
+        p_stats, p_norm = self._update(POLICY, "policy_loss", mb)
+        v_stats, v_norm = self._update(VALUE, "value_loss", mb)
+        mx.eval(self.params)
+        row = {k: float(v.item()) for k, v in {**p_stats, **v_stats}.items()}
+        row.update({"policy_grad_norm": float(p_norm.item()), "value_grad_norm": float(v_norm.item())})
+        return row
+
+    def finish(self) -> None:
+        """Leave the trained parameters in the model."""
+        for a in PPO_ADAPTERS:
+            self.model.assign(_dot(self.params[a]))
 
 
 def ppo_update(
@@ -101,75 +155,35 @@ def ppo_update(
     settings: TrainSettings,
     optimizers: dict[str, optim.Optimizer],
     rng: np.random.Generator,
-    on_step: Callable[[dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]]:
     """Run the PPO epochs; returns one metrics row per optimiser step."""
     n = len(data.response_ids)
-    starts = np.concatenate([[0], np.cumsum(data.lengths)])
+    lengths = data.lengths
+    starts = np.concatenate([[0], np.cumsum(lengths)])
 
-    def rows(idx: np.ndarray, flat: np.ndarray) -> np.ndarray:
-        return np.concatenate([flat[starts[i] : starts[i + 1]] for i in idx])
+    def grid(flat: np.ndarray, idx: np.ndarray) -> mx.array:
+        rows = np.concatenate([flat[starts[i] : starts[i + 1]] for i in idx])
+        return mx.array(to_grid(rows, lengths[idx])[0].astype(np.float32))
 
     # The frozen lower layers see the same tokens in every epoch and for both
     # adapters: run them once for the whole batch, then train only the top.
-    full = make_batch(data.prompt_ids, data.response_ids, model.pad_token_id)
-    trunks = []
-    for lo in range(0, n, TRUNK_CHUNK):
-        t = model.trunk(full.tokens[lo : lo + TRUNK_CHUNK])
-        mx.eval(t)
-        trunks.append(t)
-    trunk_all = mx.concatenate(trunks, axis=0)
-
-    def policy_objective(params, batch, trunk, old_lp, adv):
-        model.assign(_dot(params))
-        # entropy is a training signal only with a bonus; attribute reports it otherwise
-        lp, ent = token_logprobs(model, batch, POLICY, settings.temperature, trunk, settings.entropy_coef > 0)
-        loss, stats = policy_loss(lp, old_lp, adv, batch.mask, settings.clip_range, ent, settings.entropy_coef)
-        return loss, stats
-
-    def value_objective(params, batch, trunk, old_v, ret):
-        model.assign(_dot(params))
-        v = token_values(model, batch, VALUE, trunk)
-        return value_loss(v, old_v, ret, batch.mask, settings.value_clip_range)
-
-    policy_vg = mx.value_and_grad(policy_objective)
-    value_vg = mx.value_and_grad(value_objective)
-    params = {a: _slash(model.trainable(a)) for a in PPO_ADAPTERS}
-
-    def update(adapter, value_and_grad, loss_name, old, target, batch, trunk, idx, lens, where):
-        """One clipped-gradient optimiser step of ``adapter``; fails loudly on non-finite numbers."""
-        (_, stats), grads = value_and_grad(
-            params[adapter], batch, trunk, _grid(rows(idx, old), lens), _grid(rows(idx, target), lens)
-        )
-        grads, norm = optim.clip_grad_norm(grads, settings.max_grad_norm)
-        mx.eval(stats, norm)
-        _finite(f"{adapter} loss", stats[loss_name], where)
-        _finite(f"{adapter} gradient norm", norm, where)
-        params[adapter] = optimizers[adapter].apply_gradients(grads, params[adapter])
-        return stats, norm
+    trunk_all = trunk_activations(model, make_batch(data.prompt_ids, data.response_ids, model.pad_token_id).tokens)
+    step = PPOStep(model, settings, optimizers)
     metrics: list[dict[str, float]] = []
-    step = 0
     for epoch in range(settings.epochs):
         for mb, idx in enumerate(np.array_split(rng.permutation(n), settings.num_minibatches)):
             idx = np.sort(idx)
-            lens = data.lengths[idx]
             batch = make_batch([data.prompt_ids[i] for i in idx], [data.response_ids[i] for i in idx], model.pad_token_id)
-            trunk = trunk_all[mx.array(idx)][:, : batch.tokens.shape[1]]
-            where = f"epoch {epoch} minibatch {mb}"
-
-            mb_args = (batch, trunk, idx, lens, where)
-            p_stats, p_norm = update(POLICY, policy_vg, "policy_loss", data.old_logprob, data.advantage, *mb_args)
-            v_stats, v_norm = update(VALUE, value_vg, "value_loss", data.old_value, data.returns, *mb_args)
-            mx.eval(params)
-
-            row = {"step": step, "epoch": epoch, "minibatch": mb}
-            row.update({k: float(v.item()) for k, v in {**p_stats, **v_stats}.items()})
-            row.update({"policy_grad_norm": float(p_norm.item()), "value_grad_norm": float(v_norm.item())})
-            metrics.append(row)
-            if on_step:
-                on_step(row)
-            step += 1
+            minibatch = Minibatch(
+                batch=batch,
+                trunk=trunk_all[mx.array(idx)][:, : batch.tokens.shape[1]],
+                old_logprob=grid(data.old_logprob, idx),
+                advantage=grid(data.advantage, idx),
+                old_value=grid(data.old_value, idx),
+                returns=grid(data.returns, idx),
+                where=f"epoch {epoch} minibatch {mb}",
+            )
+            metrics.append({"step": len(metrics), "epoch": epoch, "minibatch": mb, **step(minibatch)})
             failpoint("train.step")
-    for a in PPO_ADAPTERS:
-        model.assign(_dot(params[a]))
+    step.finish()
     return metrics

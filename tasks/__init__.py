@@ -1,3 +1,3 @@
-"""One Prefect task per PPO phase: Parquet in, Parquet out, JSON results."""
+"""One Prefect task per PPO phase (and the reward-model training task): Parquet in, Parquet out, JSON results."""
 
-from flows import _env  # noqa: F401  (must precede any prefect import)
+from tasks import prefect_env  # noqa: F401  (must precede any prefect import)

@@ -52,6 +52,10 @@ PHASE_TASKS: dict[PhaseFn, Task] = {
 
 
 def task_call(fn: PhaseFn, cfg: PPOConfig, *args: Any) -> dict[str, Any]:
-    """The pipeline's ``call`` adaptor: run phase ``fn`` as its Prefect task."""
-    out = PHASE_TASKS[fn](cfg.to_json_dict(), *[str(a) if hasattr(a, "__fspath__") else a for a in args])
+    """The pipeline's ``call`` adaptor: run phase ``fn`` as its Prefect task.
+
+    The config crosses the task boundary as its JSON dict (the task rebuilds and
+    revalidates it); paths and checkpoints pass through as they are.
+    """
+    out = PHASE_TASKS[fn](cfg.to_json_dict(), *args)
     return out.result() if isinstance(out, State) else out

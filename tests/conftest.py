@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,10 +9,9 @@ import pytest
 import ppo_core  # noqa: F401  (OpenBLAS before mlx)
 from ppo_core.config import PPOConfig
 from ppo_core.tiny import make_tiny_model
+from tasks.prefect_env import apply_defaults
 
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
+apply_defaults()  # Prefect's environment before any test imports prefect
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import numpy as np
 import polars as pl
 
 from ppo_core.advantage import gae
+from ppo_core.layout import RunLayout
 from ppo_core.tables import write_table
 
 RUNS = ("default", "sunny")
@@ -45,13 +46,13 @@ def build_store(root: Path) -> dict[str, pl.DataFrame]:
     for run in RUNS:
         # an evaluation-only iteration 0, as the pipeline writes it (no token tables there)
         write_table(
-            root / f"run={run}" / "iter=0000",
+            RunLayout(root, run).iter_dir(0),
             "eval",
             {"prompt_id": ["eval-0000"], "prompt": ["p"], "response": ["r"], "response_tokens": [1],
              "finish_reason": ["eos"], "score": [0.5]},
         )  # fmt: skip
         for it in ITERS:
-            iter_dir = root / f"run={run}" / f"iter={it:04d}"
+            iter_dir = RunLayout(root, run).iter_dir(it)
             others = rng.choice(np.setdiff1d(np.arange(N_PROMPTS), [tracked]), N_ROLLOUTS - 1, replace=False)
             chosen = np.sort(np.append(others, tracked))
             lengths = rng.integers(1, MAX_LEN + 1, N_ROLLOUTS)

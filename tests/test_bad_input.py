@@ -20,14 +20,14 @@ from ppo_core.train import TrainingError
 
 def _through_attribute(cfg):
     P.init_checkpoint(cfg)
-    ck = P.checkpoint_dir(cfg, 0)
+    ck = cfg.layout.checkpoint(0)
     ro = P.rollout(cfg, 1, ck)
     sa = P.attribute(cfg, 1, ro.path("rollouts"), ck)
     return ck, ro, sa
 
 
 def _snapshot(cfg) -> dict[str, str]:
-    return {str(p): sha256_file(p) for p in cfg.run_dir.rglob("*") if p.is_file()}
+    return {str(p): sha256_file(p) for p in cfg.layout.run_dir.rglob("*") if p.is_file()}
 
 
 def test_corrupt_model_directory(tiny_cfg, tiny_model_dir, tmp_path):
@@ -73,7 +73,7 @@ def test_broken_reward_function_fails_the_phase_and_keeps_earlier_tables(tiny_cf
     with pytest.raises(RewardError, match=f"reward function 'broken' {msg}"):
         P.reward(cfg, 1, ro.path("rollouts"), sa.path("sa_pairs"))
     assert _snapshot(cfg) == before
-    assert not (cfg.iter_dir(1) / "rewards.parquet").exists()
+    assert not (cfg.layout.table(1, "rewards")).exists()
 
 
 def test_non_finite_loss_fails_training_without_advancing_the_checkpoint(tiny_cfg):
@@ -89,8 +89,8 @@ def test_non_finite_loss_fails_training_without_advancing_the_checkpoint(tiny_cf
     pq.write_table(table, ad.path("advantages"))
     with pytest.raises(TrainingError, match="non-finite policy loss at epoch 0 minibatch 0; .*checkpoint is not advanced"):
         P.train(cfg, 1, ro.path("rollouts"), sa.path("sa_pairs"), ad.path("advantages"), ck)
-    assert not P.checkpoint_dir(cfg, 1).exists()
-    assert not (cfg.iter_dir(1) / "metrics.parquet").exists()
+    assert not cfg.layout.checkpoint(1).dir.exists()
+    assert not (cfg.layout.table(1, "metrics")).exists()
 
 
 def test_disk_full_while_writing_replaces_nothing(tiny_cfg, monkeypatch):
@@ -105,5 +105,5 @@ def test_disk_full_while_writing_replaces_nothing(tiny_cfg, monkeypatch):
 
     monkeypatch.setattr(pq, "write_table", full_disk)
     with pytest.raises(ArtifactWriteError, match="cannot write .*sa_pairs.parquet: No space left on device; nothing was replaced"):
-        write_table(cfg.iter_dir(1), "sa_pairs", pq.read_table(sa.path("sa_pairs")))
+        write_table(cfg.layout.iter_dir(1), "sa_pairs", pq.read_table(sa.path("sa_pairs")))
     assert _snapshot(cfg) == before  # the old file is intact and no temporary file is left

@@ -17,8 +17,8 @@ def test_defaults_validate():
     assert cfg == PPOConfig()
     assert cfg.run == "default"
     assert cfg.num_minibatches <= cfg.batch_size
-    assert cfg.run_dir == cfg.artifact_root / "run=default"
-    assert cfg.iter_dir(3) == cfg.run_dir / "iter=0003"
+    assert cfg.layout.run_dir == cfg.artifact_root / "run=default"
+    assert cfg.layout.iter_dir(3) == cfg.layout.run_dir / "iter=0003"
     # the JSON dump validates back into the same config
     assert PPOConfig(**cfg.to_json_dict()) == cfg
 

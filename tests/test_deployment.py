@@ -15,7 +15,6 @@ import pytest
 
 from ppo_core import track
 from ppo_core.config import PPOConfig
-from ppo_core.runs import completed_iterations
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -83,13 +82,13 @@ def test_deployment_iterates_and_resumes(served, tiny_cfg):
                                                     "eval_size", "eval_max_new_tokens", "lora_layers")}
     first = _deployment_run(served, {"run": "deployed", "iterations": 1, "overrides": overrides})
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert completed_iterations(cfg) == [0, 1]
-    records = {p: p.stat().st_mtime_ns for p in cfg.run_dir.rglob("iter=0001/phases/*.json")}
+    assert cfg.layout.completed_iterations() == [0, 1]
+    records = {p: p.stat().st_mtime_ns for p in cfg.layout.run_dir.rglob("iter=0001/phases/*.json")}
     assert len(records) == 7
 
     second = _deployment_run(served, {"run": "deployed", "iterations": 1, "overrides": overrides})
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert completed_iterations(cfg) == [0, 1, 2]
+    assert cfg.layout.completed_iterations() == [0, 1, 2]
     assert all(p.stat().st_mtime_ns == t for p, t in records.items()), "iteration 1 was recomputed"
     history = track.run_metrics(PPOConfig(**cfg.to_json_dict()))
     assert [s for s, _ in history["reward/score"]] == [1, 2]

@@ -11,6 +11,7 @@ import pytest
 
 from ppo_core.config import PROJECT_ROOT, PPOConfig
 from ppo_core.generate import decode_responses, generate, render_prompts
+from ppo_core.layout import models_dir
 from ppo_core.models import load_policy_value_model
 from ppo_core.score import make_batch, token_logprobs
 
@@ -75,10 +76,10 @@ def test_one_iteration_of_the_flow_on_smollm2(tmp_path):
     from ppo_core import track
     from ppo_core.query import connect
 
-    models = tmp_path / "artifacts" / "models"
+    models = models_dir(tmp_path / "artifacts")
     models.parent.mkdir(parents=True)
-    (MODEL_ROOT / "models").mkdir(parents=True, exist_ok=True)
-    models.symlink_to((MODEL_ROOT / "models").resolve(), target_is_directory=True)
+    models_dir(MODEL_ROOT).mkdir(parents=True, exist_ok=True)
+    models.symlink_to(models_dir(MODEL_ROOT).resolve(), target_is_directory=True)
     overrides = {
         "artifact_root": str(tmp_path / "artifacts"), "batch_size": 4, "max_new_tokens": 16,
         "eval_size": 4, "eval_max_new_tokens": 16, "ppo_epochs": 1, "num_minibatches": 2,

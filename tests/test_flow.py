@@ -12,7 +12,6 @@ from flows.cli import app
 from flows.ppo import ppo
 from ppo_core import track
 from ppo_core.config import ConfigError, load_config
-from ppo_core.runs import completed_iterations
 
 
 def _overrides(cfg) -> dict:
@@ -33,7 +32,7 @@ def test_flow_runs_resumes_and_tracks(flow_overrides, tmp_path):
     summary = ppo(run="flowtest", iterations=2, overrides=flow_overrides)
     assert sorted(summary["iterations"]) == [1, 2]
     cfg = load_config(overrides={**flow_overrides, "run": "flowtest"})
-    assert completed_iterations(cfg) == [0, 1, 2]
+    assert cfg.layout.completed_iterations() == [0, 1, 2]
 
     # MLflow: one run, per-iteration metrics at step = iteration, FINISHED
     history = track.run_metrics(cfg)
@@ -44,7 +43,7 @@ def test_flow_runs_resumes_and_tracks(flow_overrides, tmp_path):
 
     # running again extends the run by one iteration; the MLflow run is re-attached, not duplicated
     summary = ppo(run="flowtest", iterations=1, overrides=flow_overrides)
-    assert completed_iterations(cfg) == [0, 1, 2, 3]
+    assert cfg.layout.completed_iterations() == [0, 1, 2, 3]
     mlf = track.client(cfg)
     runs = mlf.search_runs([mlf.get_experiment_by_name(track.EXPERIMENT).experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
@@ -54,15 +53,15 @@ def test_flow_runs_resumes_and_tracks(flow_overrides, tmp_path):
     names = {d.dataset.name for d in run.inputs.dataset_inputs}
     assert {"rollouts@iter=0001", "advantages@iter=0003", "sa_pairs@iter=0002"} <= names
     digests = {d.dataset.name: d.dataset.digest for d in run.inputs.dataset_inputs}
-    manifest1 = json.loads((cfg.iter_dir(1) / "manifest.json").read_text())
+    manifest1 = json.loads(cfg.layout.manifest(1).read_text())
     assert digests["rollouts@iter=0001"] == manifest1["artifacts"]["iter=0001/rollouts.parquet"][:16]
     artifacts = {a.path for a in mlf.list_artifacts(runs[0].info.run_id, "samples")}
     assert "samples/iter=0003.json" in artifacts
-    manifest = json.loads((cfg.iter_dir(3) / "manifest.json").read_text())
+    manifest = json.loads(cfg.layout.manifest(3).read_text())
     assert manifest["phases"]["rollout"]["cached"] is False
 
     # the HTML report is rebuilt by each flow run (now covering iterations 0-3) and logged on the MLflow run
-    report = cfg.run_dir / "report.html"
+    report = cfg.layout.run_dir / "report.html"
     assert summary["report"] == str(report) and '<b id="iterations">0\u20133</b>' in report.read_text()
     logged = mlf.download_artifacts(runs[0].info.run_id, "report.html", str(tmp_path))
     assert Path(logged).read_bytes() == report.read_bytes()
@@ -115,5 +114,5 @@ def test_failed_flow_marks_the_mlflow_run_failed_with_the_reason(flow_overrides,
     assert run.info.status == "FAILED"
     assert "scorer offline" in run.data.tags["failure_reason"]
     # the phases before the failure are kept, so a re-run resumes from them
-    assert (cfg.iter_dir(1) / "sa_pairs.parquet").is_file()
-    assert not (cfg.iter_dir(1) / "rewards.parquet").exists()
+    assert (cfg.layout.table(1, "sa_pairs")).is_file()
+    assert not (cfg.layout.table(1, "rewards")).exists()

@@ -126,3 +126,44 @@ def test_frozen_trunk_plus_adapted_top_equals_full_stack(model):
         np.testing.assert_allclose(
             np.array(model.top(trunk, adapter)), np.array(model.hidden(tokens, adapter)), atol=1e-5
         )
+
+
+def test_adapter_selection_is_restored_after_each_use(model):
+    """No phase leaves adapter state behind: the reference is active again after a policy block."""
+    assert model.active_adapter is None
+    tokens = mx.array([render_prompts(model, PROMPTS[:1])[0]])
+    _perturb(model, POLICY)
+    reference_before = np.array(model.hidden(tokens, None))
+    with model.adapter(POLICY):
+        assert model.active_adapter == POLICY
+        with model.adapter(None):
+            assert model.active_adapter is None
+        assert model.active_adapter == POLICY
+        policy_h = np.array(model.backbone(tokens))
+    assert model.active_adapter is None
+    assert np.abs(policy_h - reference_before).max() > 1e-4  # the block really applied the policy
+    # every call that names an adapter restores the selection, also when it fails inside
+    model.top(model.trunk(tokens), VALUE)
+    model.hidden(tokens, POLICY)
+    generate(model, [render_prompts(model, PROMPTS[:1])[0]], adapter=POLICY, max_new_tokens=2, temperature=0.0)
+    assert model.active_adapter is None
+    with pytest.raises(RuntimeError, match="boom"), model.adapter(VALUE):
+        raise RuntimeError("boom")
+    assert model.active_adapter is None
+    np.testing.assert_array_equal(np.array(model.backbone(tokens)), reference_before)
+    with pytest.raises(ValueError, match="unknown adapter 'critic'"), model.adapter("critic"):
+        pass
+
+
+def test_a_model_cache_is_owned_by_its_caller(tiny_cfg):
+    from ppo_core.models import MODELS, ModelCache
+
+    cfg = tiny_cfg()
+    shared = load_policy_value_model(cfg)
+    assert load_policy_value_model(cfg) is shared  # the process default loads once
+    own = ModelCache()
+    private = load_policy_value_model(cfg, own)
+    assert private is not shared and own.get(cfg) is private and len(own) == 1
+    own.clear()
+    assert len(own) == 0 and own.get(cfg) is not private
+    assert MODELS.get(cfg) is shared  # clearing one cache leaves the others alone

@@ -6,27 +6,27 @@ import json
 
 import numpy as np
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 
 from ppo_core import phases as P
+from ppo_core import pipeline
 from ppo_core.advantage import to_grid
 from ppo_core.query import connect
 from ppo_core.runs import write_manifest
-from ppo_core.tables import read_table
+from ppo_core.tables import TOKEN_TABLES, read_table
 
 
 def run_iteration(cfg, it: int) -> dict[str, P.PhaseResult]:
-    ck = P.checkpoint_dir(cfg, it - 1)
-    r = {"rollout": P.rollout(cfg, it, ck)}
-    r["attribute"] = P.attribute(cfg, it, r["rollout"].path("rollouts"), ck)
-    r["reward"] = P.reward(cfg, it, r["rollout"].path("rollouts"), r["attribute"].path("sa_pairs"))
-    r["value"] = P.value(cfg, it, r["rollout"].path("rollouts"), ck)
-    r["advantage"] = P.advantage(cfg, it, r["reward"].path("rewards"), r["value"].path("values"))
-    r["train"] = P.train(
-        cfg, it, r["rollout"].path("rollouts"), r["attribute"].path("sa_pairs"), r["advantage"].path("advantages"), ck
-    )
-    r["evaluate"] = P.evaluate(cfg, it, P.checkpoint_dir(cfg, it))
-    return r
+    """One iteration through the pipeline's own wiring, its results by phase."""
+    return {r["phase"]: P.PhaseResult(**r) for r in pipeline.run_iteration(cfg, it)}
+
+
+def token_tables_consistent(layout, iteration: int) -> bool:
+    """The three token tables have exactly one row per generated token."""
+    ro = read_table(layout.table(iteration, "rollouts"))
+    n = sum(len(r) for r in ro.column("response_token_ids").to_pylist())
+    return all(pq.read_metadata(layout.table(iteration, t)).num_rows == n for t in TOKEN_TABLES)
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def one_iteration(tiny_cfg):
 
 
 def _frame(cfg, it, name) -> pl.DataFrame:
-    return pl.from_arrow(read_table(cfg.iter_dir(it) / f"{name}.parquet"))
+    return pl.from_arrow(read_table(cfg.layout.table(it, name)))
 
 
 def test_token_tables_have_one_row_per_generated_token(one_iteration):
@@ -49,7 +49,7 @@ def test_token_tables_have_one_row_per_generated_token(one_iteration):
         df = _frame(cfg, 1, name)
         assert df.height == n_tokens, name
         assert df.select("rollout_id", "t").is_duplicated().sum() == 0
-    assert P.token_tables_consistent(cfg.iter_dir(1))
+    assert token_tables_consistent(cfg.layout, 1)
 
 
 def test_first_iteration_policy_equals_reference(one_iteration):
@@ -103,13 +103,13 @@ def test_train_moves_policy_and_writes_metrics(one_iteration):
     assert m["approx_kl"][0] < 1e-6 and m["clip_fraction"][0] == 0.0
     from safetensors.numpy import load_file
 
-    before = load_file(P.checkpoint_dir(cfg, 0) / "policy_adapter.safetensors")
-    after = load_file(P.checkpoint_dir(cfg, 1) / "policy_adapter.safetensors")
+    before = load_file(cfg.layout.checkpoint(0).adapter("policy"))
+    after = load_file(cfg.layout.checkpoint(1).adapter("policy"))
     assert before.keys() == after.keys()
     assert any(not np.array_equal(before[k], after[k]) for k in before if k.endswith(".b"))
     # the next iteration samples with the trained policy: KL to the reference is no longer zero
     cfg2 = cfg
-    ck = P.checkpoint_dir(cfg2, 1)
+    ck = cfg2.layout.checkpoint(1)
     ro2 = P.rollout(cfg2, 2, ck)
     sa2 = P.attribute(cfg2, 2, ro2.path("rollouts"), ck)
     assert np.abs(read_table(sa2.path("sa_pairs")).column("kl").to_numpy()).max() > 0
@@ -121,9 +121,9 @@ def test_rerun_reuses_every_phase_and_recomputes_damaged_outputs(one_iteration):
     assert all(r.cached for r in again.values())
     assert {k: r.hashes for k, r in again.items()} == {k: r.hashes for k, r in first.items()}
     # damage one table and delete another: both are detected and recomputed to identical bytes
-    adv = cfg.iter_dir(1) / "advantages.parquet"
+    adv = cfg.layout.table(1, "advantages")
     adv.write_bytes(adv.read_bytes()[:-20])
-    (cfg.iter_dir(1) / "eval.parquet").unlink()
+    (cfg.layout.table(1, "eval")).unlink()
     third = run_iteration(cfg, 1)
     assert not third["advantage"].cached and not third["evaluate"].cached
     assert third["rollout"].cached and third["train"].cached

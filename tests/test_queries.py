@@ -17,6 +17,7 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
+from ppo_core.layout import table_glob
 from ppo_core.query import connect
 from synthetic_store import TRACKED_PROMPT, VOCAB, build_store
 
@@ -201,7 +202,7 @@ def test_doc_query(store, index):
     sql = SQL_BLOCKS[index]
     if expected_fn is None:  # explain analyze: one file per scan of the tokens view
         plan = "\n".join(str(v) for row in con.sql(sql).fetchall() for v in row)
-        total_files = len(list(root.glob("run=*/iter=*/sa_pairs.parquet")))
+        total_files = len(list(root.glob(str(table_glob(root, "sa_pairs").relative_to(root)))))
         assert plan.count(f"Scanning Files: 1/{total_files}") == 3, plan
         assert re.findall(r"Total Files Read: (\d+)", plan) == ["1", "1", "1"], plan
         return

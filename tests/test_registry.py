@@ -11,11 +11,10 @@ import pytest
 from ppo_core import pipeline, registry, track
 from ppo_core.config import PPOConfig, load_config
 from ppo_core.generate import generate, render_prompts
+from ppo_core.layout import mlruns_dir
 from ppo_core.models import POLICY
-from ppo_core.phases import checkpoint_dir
 from ppo_core.tables import sha256_file
 from ppo_core.tiny import make_tiny_model
-from ppo_core.train import checkpoint_paths
 
 PROMPTS = ["How was your day?", "Tell me about the sea.", "What should I cook tonight?"]
 
@@ -30,9 +29,9 @@ def two_flow_runs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("registry") / "artifacts"
     cfg = PPOConfig(run="reg", model=str(tiny_model_dir), artifact_root=root, **TINY)
     pipeline.run_tracked(cfg, 2)
-    first = track.policy_version(cfg, "latest")
+    first = registry.policy_version(cfg, "latest")
     pipeline.run_tracked(cfg, 1)
-    second = track.policy_version(cfg, "latest")
+    second = registry.policy_version(cfg, "latest")
     return cfg, first, second
 
 
@@ -42,7 +41,7 @@ def policy_logprobs(model, adapter: str | None) -> tuple[list[list[int]], np.nda
 
 
 def checkpoint_file(cfg: PPOConfig, iteration: int) -> Path:
-    return checkpoint_paths(checkpoint_dir(cfg, iteration))["policy_adapter"]
+    return cfg.layout.checkpoint(iteration).adapter(POLICY)
 
 
 def test_the_version_points_at_the_logged_adapter_and_is_tagged(two_flow_runs):
@@ -53,7 +52,7 @@ def test_the_version_points_at_the_logged_adapter_and_is_tagged(two_flow_runs):
     assert first.run_id == run_id and first.source == f"runs:/{run_id}/adapters/iter=0002"
 
     tags = first.tags
-    manifest = json.loads((cfg.iter_dir(2) / "manifest.json").read_text())
+    manifest = json.loads(cfg.layout.manifest(2).read_text())
     eval_score = [m.value for m in mlf.get_metric_history(run_id, "evaluate/eval_score") if m.step == 2]
     assert tags["ppo.run"] == "reg" and tags["iteration"] == "2"
     assert tags["base_model"] == cfg.model and tags["base_model_dir"] == Path(cfg.model).name
@@ -70,7 +69,7 @@ def test_the_version_points_at_the_logged_adapter_and_is_tagged(two_flow_runs):
 
 def test_registering_an_iteration_again_returns_its_version(two_flow_runs):
     cfg, first, _ = two_flow_runs
-    again = track.register_policy(cfg, 2)
+    again = registry.register_policy(cfg, 2)
     assert int(again.version) == 1 and again.source == first.source
     versions = track.client(cfg).search_model_versions("name = 'ppo-reg'")
     assert sorted(int(v.version) for v in versions) == [1, 2]
@@ -80,7 +79,7 @@ def test_a_second_flow_run_adds_a_version_at_its_last_iteration(two_flow_runs):
     cfg, _, second = two_flow_runs
     assert int(second.version) == 2 and second.tags["iteration"] == "3"
     assert second.source.endswith("/adapters/iter=0003")
-    latest = track.policy_version(cfg, "latest")
+    latest = registry.policy_version(cfg, "latest")
     assert int(latest.version) == 2 and latest.tags["adapter_sha256"] == sha256_file(checkpoint_file(cfg, 3))
 
 
@@ -114,38 +113,38 @@ def test_a_different_lora_layout_or_base_model_is_refused_before_the_model_loads
 
     monkeypatch.setattr(registry, "load_policy_value_model", no_model)
     other_rank = registry.run_config("reg", cfg.artifact_root, {"lora_rank": 4})
-    with pytest.raises(track.RegistryError, match=r"version 1 does not fit this config: lora_rank '8' \(config: '4'\)"):
+    with pytest.raises(registry.RegistryError, match=r"version 1 does not fit this config: lora_rank '8' \(config: '4'\)"):
         registry.load_registered_policy(other_rank, 1)
 
     other_model = make_tiny_model(tmp_path / "other-tiny", seed=1)
     other_base = registry.run_config("reg", cfg.artifact_root, {"model": str(other_model), "lora_targets": ["q_proj"]})
     mismatch = (r"base_model_dir 'tiny' \(config: 'other-tiny'\), "
                 r".*lora_targets 'q_proj,k_proj,v_proj,o_proj' \(config: 'q_proj'\)")
-    with pytest.raises(track.RegistryError, match=mismatch) as err:
+    with pytest.raises(registry.RegistryError, match=mismatch) as err:
         registry.load_registered_policy(other_base, "latest")
     assert "run 'reg'" in str(err.value)
 
 
 def test_a_missing_version_or_model_is_named(two_flow_runs):
     cfg, _, _ = two_flow_runs
-    with pytest.raises(track.RegistryError, match=r"'ppo-reg' has no version 7 \(it has \[1, 2\]\)"):
-        track.policy_version(cfg, 7)
-    with pytest.raises(track.RegistryError, match="must be a number or 'latest'"):
-        track.policy_version(cfg, "newest")
-    with pytest.raises(track.RegistryError, match="'ppo-nobody' has no versions"):
-        track.policy_version(registry.run_config("nobody", cfg.artifact_root), "latest")
+    with pytest.raises(registry.RegistryError, match=r"'ppo-reg' has no version 7 \(it has \[1, 2\]\)"):
+        registry.policy_version(cfg, 7)
+    with pytest.raises(registry.RegistryError, match="must be a number or 'latest'"):
+        registry.policy_version(cfg, "newest")
+    with pytest.raises(registry.RegistryError, match="'ppo-nobody' has no versions"):
+        registry.policy_version(registry.run_config("nobody", cfg.artifact_root), "latest")
 
 
 def test_an_untracked_iteration_is_logged_when_registered_and_an_altered_artifact_is_refused(tiny_cfg):
     cfg = tiny_cfg(run="untracked")
     pipeline.start(cfg)  # iteration 0 without MLflow: nothing logged yet
-    mv = track.register_policy(cfg, 0)
+    mv = registry.register_policy(cfg, 0)
     assert mv.source.endswith("/adapters/iter=0000") and "eval_score" not in mv.tags
 
-    logged = next((cfg.artifact_root / "mlruns").rglob(f"adapters/iter=0000/{track.POLICY_FILE}"))
+    logged = next(mlruns_dir(cfg.artifact_root).rglob(f"{track.adapter_artifact_dir(0)}/{registry.POLICY_FILE}"))
     assert sha256_file(logged) == sha256_file(checkpoint_file(cfg, 0))
     logged.write_bytes(checkpoint_file(cfg, 0).read_bytes()[:-1] + b" ")
-    with pytest.raises(track.RegistryError, match="is not the file registered"):
+    with pytest.raises(registry.RegistryError, match="is not the file registered"):
         registry.load_registered_policy(cfg, 1)
 
 
@@ -158,7 +157,7 @@ def test_the_prefect_flow_registers_its_final_policy(tiny_cfg):
     overrides = {k: str(config[k]) if k in ("model", "artifact_root") else config[k] for k in keep}
     ppo(run="flowreg", iterations=1, overrides=overrides)
     cfg = load_config(overrides={**overrides, "run": "flowreg"})
-    mv = track.policy_version(cfg, "latest")
+    mv = registry.policy_version(cfg, "latest")
     assert int(mv.version) == 1 and mv.tags["iteration"] == "1"
     assert registry.generate_text(registry.load_registered_policy(cfg), ["Hello!"], max_new_tokens=4)
 

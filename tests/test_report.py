@@ -19,6 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
+from ppo_core.layout import RunLayout
 from ppo_core.query import connect
 from ppo_core.report import batch_advantage_matrix, build_report, token_spans
 from ppo_core.tables import write_table
@@ -35,17 +36,17 @@ F64 = pl.Float64
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("report-store") / "artifacts"
     data = build_store(root)
-    run_dir = root / f"run={RUN}"
+    layout = RunLayout(root, RUN)
     pinned = {"run": RUN, "training_hash": "0123abcd", "config": {"kl_coef": 0.05, "batch_size": 20, "reward": "vader"}}
-    (run_dir / "run.json").write_text(json.dumps(pinned))
+    layout.run_json.write_text(json.dumps(pinned))
     write_table(
-        run_dir / "iter=0002", "eval",
+        layout.iter_dir(2), "eval",
         {"prompt_id": ["eval-0001", "eval-0000"], "prompt": [EVAL_PROMPT, "Hello"],
          "response": [EVAL_RESPONSE, "Hi there!"], "response_tokens": [9, 3], "finish_reason": ["eos", "eos"],
          "score": [0.25, 0.75]},
     )  # fmt: skip
     for it in COMPLETE:
-        (run_dir / f"iter={it:04d}" / "manifest.json").write_text("{}")
+        layout.manifest(it).write_text("{}")
     path = build_report(root, RUN)
     return root, data, path, path.read_text(encoding="utf-8")
 
@@ -78,8 +79,8 @@ SPAN = re.compile(r'<span class="tok" data-t="(\d+)" style="background:rgb\((\d+
 
 
 def expected_summary(root: Path, iteration: int) -> dict[str, float]:
-    d = root / f"run={RUN}" / f"iter={iteration:04d}"
-    read = lambda name: pl.read_parquet(d / f"{name}.parquet") if (d / f"{name}.parquet").is_file() else None  # noqa: E731
+    path = lambda name: RunLayout(root, RUN).table(iteration, name)  # noqa: E731
+    read = lambda name: pl.read_parquet(path(name)) if path(name).is_file() else None  # noqa: E731
     out: dict[str, float] = {}
     if (rw := read("rewards")) is not None:
         out["mean_score"] = rw.group_by("rollout_id").agg(pl.col("score").cast(F64).sum())["score"].mean()

@@ -10,7 +10,8 @@ import polars as pl
 import pytest
 
 from ppo_core import phases as P
-from ppo_core.config import ConfigError, PROJECT_ROOT
+from ppo_core.config import PROJECT_ROOT, ConfigError, RewardModelSettings
+from ppo_core.layout import models_dir, reward_model_path, reward_model_sidecar
 from ppo_core.models import ModelError, load_policy_value_model
 from ppo_core.reward_model import (
     LearnedReward,
@@ -37,7 +38,9 @@ def _pairs(path):
 @pytest.fixture
 def trained(tiny_cfg, tmp_path):
     cfg = tiny_cfg()
-    result = train_from_file(cfg, _pairs(tmp_path / "prefs.jsonl"), "tiny-rm", epochs=8, lr=3e-3, batch_size=4, eval_fraction=0.25)
+    settings = RewardModelSettings(data=_pairs(tmp_path / "prefs.jsonl"), name="tiny-rm", epochs=8, lr=3e-3, batch_size=4,
+                                   eval_fraction=0.25)
+    result = train_from_file(cfg, settings)
     return cfg, result
 
 
@@ -47,7 +50,7 @@ def test_bradley_terry_learns_and_generalises_to_held_out_prompts(trained):
     losses = [h["loss"] for h in result["history"]]
     assert losses[-1] < 0.5 * losses[0]
     assert result["eval_accuracy"] >= 0.9
-    meta = json.loads((cfg.artifact_root / "reward_models" / "tiny-rm.json").read_text())
+    meta = json.loads(reward_model_sidecar(reward_model_path(cfg.artifact_root, "tiny-rm")).read_text())
     assert meta["lora_layers"] == str(cfg.lora_layers) and float(meta["score_std"]) > 0
 
 
@@ -56,7 +59,7 @@ def test_learned_reward_in_the_reward_phase(trained, tiny_cfg):
     run_cfg = tiny_cfg(run="rm-run", reward=f"model:{result['path']}", reward_norm="batch")
     check_inputs(run_cfg)
     P.init_checkpoint(run_cfg)
-    ck = P.checkpoint_dir(run_cfg, 0)
+    ck = run_cfg.layout.checkpoint(0)
     ro = P.rollout(run_cfg, 1, ck)
     sa = P.attribute(run_cfg, 1, ro.path("rollouts"), ck)
     rw = P.reward(run_cfg, 1, ro.path("rollouts"), sa.path("sa_pairs"))
@@ -117,14 +120,14 @@ def test_shipped_preferences_follow_their_label_rule():
 def test_reward_model_on_smollm2_beats_chance_on_held_out_pairs(tmp_path):
     from ppo_core.config import PPOConfig
 
-    models = tmp_path / "artifacts" / "models"
+    models = models_dir(tmp_path / "artifacts")
     models.parent.mkdir(parents=True)
-    (PROJECT_ROOT / "artifacts" / "models").mkdir(parents=True, exist_ok=True)
-    models.symlink_to((PROJECT_ROOT / "artifacts" / "models").resolve(), target_is_directory=True)
+    models_dir(PROJECT_ROOT / "artifacts").mkdir(parents=True, exist_ok=True)
+    models.symlink_to(models_dir(PROJECT_ROOT / "artifacts").resolve(), target_is_directory=True)
     cfg = PPOConfig(artifact_root=tmp_path / "artifacts")
-    result = train_from_file(cfg, PROJECT_ROOT / "data" / "preferences.jsonl", "smol-rm", epochs=2, lr=1e-3)
+    result = train_from_file(cfg, RewardModelSettings(data=PROJECT_ROOT / "data" / "preferences.jsonl", name="smol-rm"))
     assert result["eval_pairs"] >= 30
     assert result["eval_accuracy"] >= 0.65, result["history"]
     model = load_policy_value_model(cfg)
     held = split_pairs(load_preferences(PROJECT_ROOT / "data" / "preferences.jsonl"), 0.2, cfg.seed)[1]
-    assert pairwise_accuracy(model, held) == pytest.approx(result["eval_accuracy"])
+    assert pairwise_accuracy(model, held, cfg.score_batch_size) == pytest.approx(result["eval_accuracy"])

@@ -11,14 +11,14 @@ import pytest
 
 import ppo_core  # noqa: F401
 import mlx.core as mx
-from ppo_core.runtime import blas_state, matmul_gflops
+from ppo_core.runtime import matmul_gflops, setup_blas
 
 linux_only = pytest.mark.skipif(platform.system() != "Linux", reason="OpenBLAS preloading is Linux-only (macOS uses Accelerate)")
 
 
 @linux_only
 def test_openblas_is_loaded_and_owns_the_global_sgemm():
-    state = blas_state()
+    state = setup_blas()
     assert state.error is None, state.error
     assert state.library and Path(state.library).name == "libopenblas.so.0"
     maps = Path("/proc/self/maps").read_text()

@@ -11,13 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ppo_core.layout import table_file
 from ppo_core.tables import (
     SCHEMAS,
     TableError,
     atomic_path,
     atomic_write_text,
     read_table,
-    table_path,
     write_table,
 )
 
@@ -44,7 +44,7 @@ def test_round_trip(tmp_path: Path, name: str):
     data = sample_table(schema)
     data["extra_column"] = [1, 2, 3]  # dropped: only schema columns are written
     path = write_table(tmp_path / "iter", name, data, metadata={"k": "v"})
-    assert path == table_path(tmp_path / "iter", name)
+    assert path == tmp_path / "iter" / table_file(name)
     assert path.is_file()
     back = read_table(path)
     assert back.schema.names == schema.names
@@ -72,7 +72,7 @@ def test_missing_column_raises(tmp_path: Path, name: str):
     del data[dropped]
     with pytest.raises(TableError, match=name):
         write_table(tmp_path, name, data)
-    assert not table_path(tmp_path, name).exists()
+    assert not (tmp_path / table_file(name)).exists()
 
 
 def test_wrong_type_raises(tmp_path: Path):
