@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger
 
 from ppo_core import pipeline
 from ppo_core.config import load_config
-from tasks.phases import task_call
+from tasks.phases import PrefectRunner
 
 
 @flow(name="ppo", log_prints=True, validate_parameters=True)
@@ -33,4 +33,4 @@ def ppo(
     if iterations < 1:
         raise ValueError(f"parameter 'iterations' must be >= 1 (got {iterations})")
     cfg = load_config(config, {**(overrides or {}), "run": run})
-    return pipeline.run_tracked(cfg, iterations, task_call, get_run_logger().info)
+    return pipeline.run_tracked(cfg, iterations, PrefectRunner(), get_run_logger().info)

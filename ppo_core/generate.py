@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -45,6 +46,15 @@ def _top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
     return filtered - mx.logsumexp(filtered, axis=-1, keepdims=True)
 
 
+def row_seeds(key: str, rows) -> list[int]:
+    """A seed for each row, from ``key`` (for example 'seed:iteration:phase') and the row's number."""
+    return [int.from_bytes(hashlib.sha256(f"{key}:{int(r)}".encode()).digest()[:4], "little") & 0x7FFFFFFF for r in rows]
+
+
+_split_rows = mx.vmap(mx.random.split)
+_sample_rows = mx.vmap(lambda key, logprobs: mx.random.categorical(logprobs, key=key))
+
+
 def generate(
     model: PolicyValueModel,
     prompt_ids: list[list[int]],
@@ -53,11 +63,13 @@ def generate(
     max_new_tokens: int,
     temperature: float,
     top_p: float = 1.0,
-    seed: int = 0,
+    seeds: list[int] | None = None,
 ) -> Generation:
     """Sample responses for all prompts at once; ``temperature == 0`` is greedy.
 
-    Randomness comes only from ``seed``: the same seed gives the same tokens.
+    Row i's randomness comes only from ``seeds[i]`` (default: its index): the
+    same seed gives the same tokens whatever else is in the batch, so a shard
+    of a batch samples what the whole batch would (up to float rounding).
     """
     B = len(prompt_ids)
     lengths = [len(p) for p in prompt_ids]
@@ -66,7 +78,8 @@ def generate(
     tokens = mx.array([[model.pad_token_id] * pad + p for pad, p in zip(left_pad, prompt_ids)], dtype=mx.int32)
     cache = [BatchKVCache(left_pad) for _ in model.backbone.layers]
     eos = mx.array(list(model.eos_token_ids), dtype=mx.int32)
-    key = mx.random.key(seed)
+    # one key per row, split per step on device: no row's draw depends on another's
+    keys = mx.stack([mx.random.key(s) for s in (seeds if seeds is not None else range(B))])
 
     out_tokens, out_lp = [], []
     finished = mx.zeros((B,), dtype=mx.bool_)
@@ -81,8 +94,9 @@ def generate(
         else:
             lp = logits / temperature
             lp = _top_p_filter(lp - mx.logsumexp(lp, axis=-1, keepdims=True), top_p)
-            key, sub = mx.random.split(key)
-            nxt = mx.random.categorical(lp, key=sub)
+            split = _split_rows(keys)
+            keys = split[:, 0]
+            nxt = _sample_rows(split[:, 1], lp)
         nxt = mx.where(finished, model.pad_token_id, nxt).astype(mx.int32)
         tok_lp = mx.take_along_axis(lp, nxt[:, None], axis=-1)[:, 0]
         is_eos = (nxt[:, None] == eos[None, :]).any(axis=-1) & ~finished

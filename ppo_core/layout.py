@@ -14,6 +14,7 @@
           <table>.parquet              rollouts, sa_pairs, rewards, values, advantages, metrics, eval
           checkpoint/<adapter>_adapter.safetensors, <adapter>_optimizer.safetensors
           phases/<phase>.json          each phase's cache key and output hashes
+          parts/part-<i>-of-<n>/<table>.parquet   a shard's rows of a data-parallel phase
           manifest.json                written last: the iteration is complete
 
 ``run`` and ``iter`` are hive partition keys, so DuckDB and Polars read them as
@@ -57,6 +58,11 @@ def models_dir(root: Path) -> Path:
     return Path(root) / "models"
 
 
+def converted_model_dir(root: Path, name: str) -> Path:
+    """A base model converted once (from GGUF) to an mlx_lm directory, named by its source digest."""
+    return models_dir(root) / name
+
+
 def reward_model_path(root: Path, name: str) -> Path:
     return Path(root) / "reward_models" / f"{name}.safetensors"
 
@@ -74,11 +80,6 @@ def mlruns_dir(root: Path) -> Path:
     return Path(root) / "mlruns"
 
 
-def run_names(root: Path) -> list[str]:
-    """Names of the runs under ``root`` (folders ``run=<name>``)."""
-    return sorted(p.name.removeprefix("run=") for p in Path(root).glob("run=*") if p.is_dir())
-
-
 @dataclass(frozen=True)
 class Checkpoint:
     """The adapter and optimiser-state files of one checkpoint folder."""
@@ -86,7 +87,11 @@ class Checkpoint:
     dir: Path
 
     def adapter(self, name: str) -> Path:
-        return self.dir / f"{name}_adapter.safetensors"
+        return self.dir / self.adapter_file_name(name)
+
+    def adapter_files(self) -> list[Path]:
+        """The adapter files this checkpoint holds."""
+        return sorted(self.dir.glob(self.adapter_file_name("*")))
 
     def optimizer(self, name: str) -> Path:
         return self.dir / f"{name}_optimizer.safetensors"
@@ -125,6 +130,10 @@ class RunLayout:
 
     def table(self, iteration: int, name: str) -> Path:
         return self.iter_dir(iteration) / table_file(name)
+
+    def part_dir(self, iteration: int, label: str) -> Path:
+        """Where a shard of a data-parallel phase writes its part of a table (outside the tables' glob)."""
+        return self.iter_dir(iteration) / "parts" / label
 
     def checkpoint(self, iteration: int) -> Checkpoint:
         """Iteration N's checkpoint is what iteration N+1 samples and scores with; 0 holds the seeded start."""

@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ppo_core.config import DEFAULT_MODEL, PPOConfig
 from ppo_core.convert import CONVERTER_VERSION, convert_gguf
-from ppo_core.layout import models_dir
+from ppo_core.layout import converted_model_dir
 from ppo_core.tables import atomic_path, sha256_file
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
@@ -67,7 +67,7 @@ def resolve_model_dir(model: str, artifact_root: Path) -> Path:
     if model == DEFAULT_MODEL:
         gguf = smollm2_gguf()
         digest = sha256_file(gguf)[:12]
-        out = models_dir(artifact_root) / f"smollm2-135m-instruct-{digest}-c{CONVERTER_VERSION}"
+        out = converted_model_dir(artifact_root, f"smollm2-135m-instruct-{digest}-c{CONVERTER_VERSION}")
         if not (out / "model.safetensors").is_file():
             convert_gguf(gguf, out)
         return out

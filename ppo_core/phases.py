@@ -1,10 +1,18 @@
 """The phases of one PPO iteration as plain functions over Parquet files.
 
 Each phase: resolve inputs -> skip if its recorded outputs still match ->
-compute -> write outputs atomically -> record (cache key, output hashes).
+compute -> write outputs atomically -> record (``ppo_core.phase_records``).
 Prefect tasks wrap these one-to-one; ``ppo_core.pipeline`` wires them in order.
 Inputs arrive as ``Path``s and ``Checkpoint``s; every output path comes from
 the run's ``RunLayout``.
+
+The data-parallel phases (rollout, attribute, value, evaluate) work row by row
+over the batch, so each also runs on a ``Shard``: a contiguous rollout-id
+range written to a part of its table, and ``merge`` concatenates the parts
+into the phase's table under the phase's own cache key. All randomness is
+keyed by (seed, iteration, phase, rollout id), so a shard's rows do not depend
+on which process ran it or on how many shards there are (up to float rounding
+of batched kernels over differently padded batches).
 
 Iteration N-1's checkpoint is the policy/value that iteration N samples and
 scores with; iteration 0's checkpoint holds the seeded initial adapters.
@@ -13,9 +21,7 @@ scores with; iteration 0's checkpoint holds the seeded initial adapters.
 from __future__ import annotations
 
 import hashlib
-import json
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,96 +33,68 @@ import pyarrow.parquet as pq
 
 from ppo_core.advantage import gae
 from ppo_core.config import PPOConfig
-from ppo_core.faults import failpoint
 from ppo_core.layout import Checkpoint
 from ppo_core.models import PPO_ADAPTERS, POLICY, VALUE, PolicyValueModel, load_policy_value_model
+from ppo_core.phase_records import Compute, PhaseResult, lookup, run_phase
 from ppo_core.prompts import check_prompt_lengths, load_prompts
 from ppo_core.rewards import adaptive_kl_coef, make_reward, score_responses, shape_rewards
-from ppo_core.tables import atomic_write_text, read_table, sha256_file, write_table
+from ppo_core.tables import SCHEMAS, read_table, write_table
 from ppo_core.train import TrainData, TrainSettings, load_optimizer, make_optimizer, ppo_update, save_optimizer
 
 # The phases of one iteration, in the order ``ppo_core.pipeline`` runs them;
 # "init" runs once per run and writes iteration 0's checkpoint.
 ITERATION_PHASES = ("rollout", "attribute", "reward", "value", "advantage", "train", "evaluate")
 # Bump a phase's version when its code changes what it writes: old caches then miss.
-PHASE_VERSION = {phase: 1 for phase in ("init", *ITERATION_PHASES)}
+# rollout and evaluate 2: sampling keyed per rollout id (shard-invariant), not per batch.
+PHASE_VERSION = {"init": 1, "rollout": 2, "attribute": 1, "reward": 1, "value": 1, "advantage": 1, "train": 1, "evaluate": 2}
 
 
-@dataclass
-class PhaseResult:
-    """JSON-serialisable outcome of a phase (what a Prefect task returns)."""
-
-    phase: str
-    iteration: int
-    outputs: dict[str, str]
-    hashes: dict[str, str]
-    cached: bool
-    seconds: float
-    stats: dict[str, float] = field(default_factory=dict)
-
-    def path(self, name: str) -> Path:
-        return Path(self.outputs[name])
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+def _run(cfg: PPOConfig, iteration: int, phase: str, inputs: dict[str, Path], compute: Compute) -> PhaseResult:
+    """run_phase with the phase's code version (a shard's record name is '<phase>.part-I-of-N')."""
+    return run_phase(cfg, iteration, phase, PHASE_VERSION[phase.split(".")[0]], inputs, compute)
 
 
 def phase_seed(cfg: PPOConfig, iteration: int, phase: str) -> int:
-    """All randomness is keyed by (seed, iteration, phase): resumes replay it exactly."""
+    """Randomness of a whole phase is keyed by (seed, iteration, phase): resumes replay it exactly."""
     digest = hashlib.sha256(f"{cfg.seed}:{iteration}:{phase}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def _cache_key(cfg: PPOConfig, iteration: int, phase: str, inputs: dict[str, Path]) -> str:
-    payload = {
-        "phase": phase,
-        "version": PHASE_VERSION[phase],
-        "config": cfg.training_hash(),
-        "iteration": iteration,
-        "inputs": {name: sha256_file(p) for name, p in sorted(inputs.items())},
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+def phase_row_seeds(cfg: PPOConfig, iteration: int, phase: str, rows: np.ndarray) -> list[int]:
+    """One seed per row (rollout id), keyed by (seed, iteration, phase, row): independent of sharding."""
+    from ppo_core.generate import row_seeds
+
+    return row_seeds(f"{cfg.seed}:{iteration}:{phase}", rows)
 
 
-def _valid_record(cfg: PPOConfig, iteration: int, phase: str, key: str) -> dict[str, Any] | None:
-    path = cfg.layout.phase_record(iteration, phase)
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if record.get("key") != key:
-        return None
-    for name, p in record["outputs"].items():
-        # a cached result never hands back a path to a file that is gone or altered
-        if not Path(p).is_file() or sha256_file(Path(p)) != record["hashes"][name]:
-            return None
-    return record
+@dataclass(frozen=True)
+class Shard:
+    """Rows ``[n*index//count, n*(index+1)//count)`` of a phase's batch of n: a contiguous rollout-id range."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard index {self.index} is outside 0..{self.count - 1}")
+
+    @property
+    def whole(self) -> bool:
+        return self.count == 1
+
+    @property
+    def label(self) -> str:
+        return f"part-{self.index}-of-{self.count}"
+
+    def rows(self, n: int) -> np.ndarray:
+        return np.arange(n * self.index // self.count, n * (self.index + 1) // self.count)
+
+    @staticmethod
+    def split(count: int) -> list[Shard]:
+        return [Shard(i, count) for i in range(count)]
 
 
-def run_phase(
-    cfg: PPOConfig,
-    iteration: int,
-    phase: str,
-    inputs: dict[str, Path],
-    compute: Callable[[], tuple[dict[str, Path], dict[str, float]]],
-) -> PhaseResult:
-    """Reuse the phase's outputs when inputs, config and code are unchanged; else compute."""
-    missing = [f"{n} ({p})" for n, p in inputs.items() if not Path(p).is_file()]
-    if missing:
-        raise FileNotFoundError(f"{phase} (iteration {iteration}) is missing its input(s): {', '.join(missing)}")
-    key = _cache_key(cfg, iteration, phase, inputs)
-    record = _valid_record(cfg, iteration, phase, key)
-    if record is not None:
-        return PhaseResult(phase, iteration, record["outputs"], record["hashes"], True, record["seconds"], record["stats"])
-    t0 = time.perf_counter()
-    outputs, stats = compute()
-    seconds = time.perf_counter() - t0
-    out = {n: str(p) for n, p in outputs.items()}
-    hashes = {n: sha256_file(Path(p)) for n, p in outputs.items()}
-    record = {"key": key, "outputs": out, "hashes": hashes, "seconds": seconds, "stats": stats}
-    atomic_write_text(cfg.layout.phase_record(iteration, phase), json.dumps(record, indent=2, sort_keys=True))
-    failpoint("phase.done")
-    return PhaseResult(phase, iteration, out, hashes, False, seconds, stats)
+WHOLE = Shard()
 
 
 # ---------------------------------------------------------------- helpers
@@ -130,15 +108,22 @@ def model_for(cfg: PPOConfig, ckpt: Checkpoint, adapters: tuple[str, ...] = PPO_
     return model
 
 
+def _as_table(name: str, columns: dict[str, Any]) -> pa.Table:
+    """Columns of table ``name`` as Arrow, in its schema (write_table checks it again)."""
+    return pa.table(columns).select(SCHEMAS[name].names).cast(SCHEMAS[name])
+
+
 def _lists(table: pa.Table, column: str) -> list[list[int]]:
     return table.column(column).to_pylist()
 
 
 def _scoring_inputs(
-    cfg: PPOConfig, rollouts_path: Path, checkpoint: Checkpoint, adapter: str
+    cfg: PPOConfig, rollouts_path: Path, checkpoint: Checkpoint, adapter: str, shard: Shard
 ) -> tuple[pa.Table, PolicyValueModel, list[list[int]], list[list[int]]]:
-    """The rollouts, the model with ``adapter`` loaded, and each rollout's prompt and response token ids."""
+    """The shard's rollouts, the model with ``adapter`` loaded, and each rollout's prompt and response token ids."""
     ro = read_table(rollouts_path)
+    rows = shard.rows(ro.num_rows)
+    ro = ro.slice(int(rows[0]), len(rows)) if len(rows) else ro.slice(0, 0)
     model = model_for(cfg, checkpoint, (adapter,))
     return ro, model, _lists(ro, "prompt_token_ids"), _lists(ro, "response_token_ids")
 
@@ -185,72 +170,7 @@ def init_checkpoint(cfg: PPOConfig) -> PhaseResult:
             model.save_adapter(a, paths[f"{a}_adapter"])
         return paths, {}
 
-    return run_phase(cfg, 0, "init", {}, compute)
-
-
-def rollout(cfg: PPOConfig, iteration: int, checkpoint: Checkpoint) -> PhaseResult:
-    inputs = {"policy_adapter": checkpoint.adapter(POLICY), "prompts": cfg.prompts_path}
-
-    def compute():
-        from ppo_core.generate import decode_responses, generate, render_prompts
-
-        prompts = load_prompts(cfg.prompts_path)
-        seed = phase_seed(cfg, iteration, "rollout")
-        idx = np.sort(np.random.default_rng(seed).choice(prompts.height, cfg.batch_size, replace=False))
-        chosen = prompts[idx]
-        model = model_for(cfg, checkpoint, (POLICY,))
-        prompt_ids = render_prompts(model, chosen["prompt"].to_list())
-        check_prompt_lengths(chosen, [len(p) for p in prompt_ids], cfg.max_new_tokens, _context_length(model), cfg.prompts_path)
-        gen = generate(
-            model, prompt_ids, adapter=POLICY, max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature, top_p=cfg.top_p, seed=seed,
-        )
-        table = {
-            "rollout_id": np.arange(len(prompt_ids), dtype=np.int32),
-            "prompt_id": chosen["prompt_id"].to_list(),
-            "prompt": chosen["prompt"].to_list(),
-            "response": decode_responses(model, gen.response_ids),
-            "prompt_token_ids": prompt_ids,
-            "response_token_ids": gen.response_ids,
-            "finish_reason": gen.finish_reasons,
-            "sampling_logprobs": gen.sampling_logprobs,
-            "seed": [seed] * len(prompt_ids),
-        }
-        n_tokens = sum(len(r) for r in gen.response_ids)
-        path = write_table(cfg.layout.iter_dir(iteration), "rollouts", table)
-        return {"rollouts": path}, {
-            "tokens": n_tokens,
-            "response_length": n_tokens / len(prompt_ids),
-            "eos_fraction": float(np.mean([f == "eos" for f in gen.finish_reasons])),
-        }
-
-    return run_phase(cfg, iteration, "rollout", inputs, compute)
-
-
-def attribute(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: Checkpoint) -> PhaseResult:
-    """Per-token policy and reference logprobs, KL and entropy (one forward per model)."""
-    inputs = {"rollouts": rollouts_path, "policy_adapter": checkpoint.adapter(POLICY)}
-
-    def compute():
-        from ppo_core.score import score_logprobs
-
-        ro, model, p_ids, r_ids = _scoring_inputs(cfg, rollouts_path, checkpoint, POLICY)
-        (logprob, entropy), (ref_logprob, _) = score_logprobs(
-            model, p_ids, r_ids, adapters=(POLICY, None), entropy=(True, False),
-            temperature=cfg.temperature, batch_size=cfg.score_batch_size,
-        )
-        frame = _token_frame(ro)
-        frame = frame.with_columns(
-            token=_token_texts(model, frame["token_id"]),
-            logprob=pl.Series(logprob),
-            ref_logprob=pl.Series(ref_logprob),
-            kl=pl.Series(logprob - ref_logprob),
-            entropy=pl.Series(entropy),
-        )
-        path = write_table(cfg.layout.iter_dir(iteration), "sa_pairs", frame.to_arrow())
-        return {"sa_pairs": path}, {"tokens": frame.height, "entropy": float(entropy.mean())}
-
-    return run_phase(cfg, iteration, "attribute", inputs, compute)
+    return _run(cfg, 0, "init", {}, compute)
 
 
 def reward_function(cfg: PPOConfig):
@@ -310,22 +230,7 @@ def reward(cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: P
             "reward": float(total.sum() / len(lengths)),
         }
 
-    return run_phase(cfg, iteration, "reward", inputs, compute)
-
-
-def value(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: Checkpoint) -> PhaseResult:
-    inputs = {"rollouts": rollouts_path, "value_adapter": checkpoint.adapter(VALUE)}
-
-    def compute():
-        from ppo_core.score import score_values
-
-        ro, model, p_ids, r_ids = _scoring_inputs(cfg, rollouts_path, checkpoint, VALUE)
-        values = score_values(model, p_ids, r_ids, batch_size=cfg.score_batch_size)
-        frame = _token_frame(ro).select("rollout_id", "t").with_columns(value=pl.Series(values))
-        path = write_table(cfg.layout.iter_dir(iteration), "values", frame.to_arrow())
-        return {"values": path}, {"value": float(values.mean())}
-
-    return run_phase(cfg, iteration, "value", inputs, compute)
+    return _run(cfg, iteration, "reward", inputs, compute)
 
 
 def advantage(cfg: PPOConfig, iteration: int, rewards_path: Path, values_path: Path) -> PhaseResult:
@@ -350,7 +255,7 @@ def advantage(cfg: PPOConfig, iteration: int, rewards_path: Path, values_path: P
         explained = 1.0 - np.var(res.returns - v) / max(np.var(res.returns), 1e-12)
         return {"advantages": path}, {"advantage": float(res.advantage.mean()), "explained_variance": float(explained)}
 
-    return run_phase(cfg, iteration, "advantage", inputs, compute)
+    return _run(cfg, iteration, "advantage", inputs, compute)
 
 
 def train(
@@ -402,41 +307,205 @@ def train(
         stats["optimizer_steps"] = float(metrics.height)
         return paths, stats
 
-    return run_phase(cfg, iteration, "train", inputs, compute)
+    return _run(cfg, iteration, "train", inputs, compute)
 
 
-def evaluate(cfg: PPOConfig, iteration: int, checkpoint: Checkpoint) -> PhaseResult:
-    """Score the policy of ``checkpoint`` on the held-out eval prompts."""
-    inputs = {
-        "policy_adapter": checkpoint.adapter(POLICY),
-        "eval_prompts": cfg.eval_prompts_path,
-        **_reward_inputs(cfg),
-    }
+# ---------------------------------------------------------------- data-parallel phases
+
+
+@dataclass(frozen=True)
+class DataPhase:
+    """A phase that computes its table's rows independently per rollout, so it can run sharded."""
+
+    name: str
+    table: str
+    inputs: Callable[..., dict[str, Path]]  # (cfg, iteration, *args) -> the cache key's input files
+    rows: Callable[..., pa.Table]  # (cfg, iteration, shard, *args) -> the shard's rows
+    # (cfg, whole table) -> (table to write, stats): whole-batch work done once, after a merge
+    finish: Callable[[PPOConfig, pa.Table], tuple[pa.Table, dict[str, float]]]
+
+
+def _run_data_phase(spec: DataPhase, cfg: PPOConfig, iteration: int, args: tuple, shard: Shard) -> PhaseResult:
+    inputs = spec.inputs(cfg, iteration, *args)
 
     def compute():
-        from ppo_core.generate import decode_responses, generate, render_prompts
+        rows = spec.rows(cfg, iteration, shard, *args)
+        if shard.whole:
+            table, stats = spec.finish(cfg, rows)
+            return {spec.table: write_table(cfg.layout.iter_dir(iteration), spec.table, table)}, stats
+        part = write_table(cfg.layout.part_dir(iteration, shard.label), spec.table, rows)
+        return {spec.table: part}, {"rows": float(rows.num_rows)}
 
-        prompts = load_prompts(cfg.eval_prompts_path).head(cfg.eval_size)
-        model = model_for(cfg, checkpoint, (POLICY,))
-        prompt_ids = render_prompts(model, prompts["prompt"].to_list())
-        gen = generate(
-            model, prompt_ids, adapter=POLICY, max_new_tokens=cfg.eval_max_new_tokens,
-            temperature=cfg.eval_temperature, top_p=1.0, seed=phase_seed(cfg, iteration, "evaluate"),
-        )
-        responses = decode_responses(model, gen.response_ids)
-        lengths = np.array([len(r) for r in gen.response_ids])
-        fn = reward_function(cfg)
-        scores = score_responses(fn, prompts["prompt"].to_list(), responses, lengths)
-        table = {
-            "prompt_id": prompts["prompt_id"].to_list(),
-            "prompt": prompts["prompt"].to_list(),
-            "response": responses,
-            "response_tokens": lengths.astype(np.int32),
-            "finish_reason": gen.finish_reasons,
-            "score": scores,
-        }
-        path = write_table(cfg.layout.iter_dir(iteration), "eval", table)
-        return {"eval": path}, {"eval_score": float(scores.mean()), "eval_response_length": float(lengths.mean())}
+    name = spec.name if shard.whole else f"{spec.name}.{shard.label}"
+    return _run(cfg, iteration, name, inputs, compute)
 
-    return run_phase(cfg, iteration, "evaluate", inputs, compute)
 
+def done(phase: str, cfg: PPOConfig, iteration: int, *args: Any) -> PhaseResult | None:
+    """The data phase's verified result if it already finished (whole or merged), else None."""
+    spec = DATA_PHASES[phase]
+    return lookup(cfg, iteration, spec.name, PHASE_VERSION[spec.name], spec.inputs(cfg, iteration, *args))
+
+
+def merge(cfg: PPOConfig, iteration: int, phase: str, parts: list[Path], *args: Any) -> PhaseResult:
+    """Concatenate a data phase's shard parts (in shard order) into its table, under the phase's own cache key.
+
+    The key is the unsharded phase's, so a finished phase is reused whatever
+    the number of shards of a later run.
+    """
+    spec = DATA_PHASES[phase]
+
+    def compute():
+        table, stats = spec.finish(cfg, pa.concat_tables([read_table(p) for p in parts]))
+        return {spec.table: write_table(cfg.layout.iter_dir(iteration), spec.table, table)}, stats
+
+    return _run(cfg, iteration, spec.name, spec.inputs(cfg, iteration, *args), compute)
+
+
+def _rollout_inputs(cfg: PPOConfig, iteration: int, checkpoint: Checkpoint) -> dict[str, Path]:
+    return {"policy_adapter": checkpoint.adapter(POLICY), "prompts": cfg.prompts_path}
+
+
+def _rollout_rows(cfg: PPOConfig, iteration: int, shard: Shard, checkpoint: Checkpoint) -> pa.Table:
+    from ppo_core.generate import decode_responses, generate, render_prompts
+
+    prompts = load_prompts(cfg.prompts_path)
+    # which prompts the iteration samples is a whole-batch choice; a shard takes its rows of it
+    idx = np.sort(np.random.default_rng(phase_seed(cfg, iteration, "rollout")).choice(prompts.height, cfg.batch_size, replace=False))
+    rollout_ids = shard.rows(cfg.batch_size)
+    chosen = prompts[idx[rollout_ids]]
+    model = model_for(cfg, checkpoint, (POLICY,))
+    prompt_ids = render_prompts(model, chosen["prompt"].to_list())
+    check_prompt_lengths(chosen, [len(p) for p in prompt_ids], cfg.max_new_tokens, _context_length(model), cfg.prompts_path)
+    seeds = phase_row_seeds(cfg, iteration, "rollout", rollout_ids)
+    gen = generate(
+        model, prompt_ids, adapter=POLICY, max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature, top_p=cfg.top_p, seeds=seeds,
+    )
+    return _as_table("rollouts", {
+        "rollout_id": rollout_ids.astype(np.int32),
+        "prompt_id": chosen["prompt_id"].to_list(),
+        "prompt": chosen["prompt"].to_list(),
+        "response": decode_responses(model, gen.response_ids),
+        "prompt_token_ids": prompt_ids,
+        "response_token_ids": gen.response_ids,
+        "finish_reason": gen.finish_reasons,
+        "sampling_logprobs": gen.sampling_logprobs,
+        "seed": seeds,
+    })  # fmt: skip
+
+
+def _rollout_finish(cfg: PPOConfig, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+    lengths = _flat_lengths(table)
+    n_tokens = int(lengths.sum())
+    eos = pc.equal(table.column("finish_reason"), "eos").to_numpy(zero_copy_only=False)
+    return table, {"tokens": n_tokens, "response_length": n_tokens / table.num_rows, "eos_fraction": float(eos.mean())}
+
+
+def _attribute_inputs(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: Checkpoint) -> dict[str, Path]:
+    return {"rollouts": rollouts_path, "policy_adapter": checkpoint.adapter(POLICY)}
+
+
+def _attribute_rows(cfg: PPOConfig, iteration: int, shard: Shard, rollouts_path: Path, checkpoint: Checkpoint) -> pa.Table:
+    """Per-token policy and reference logprobs, KL and entropy (one forward per model)."""
+    from ppo_core.score import score_logprobs
+
+    ro, model, p_ids, r_ids = _scoring_inputs(cfg, rollouts_path, checkpoint, POLICY, shard)
+    (logprob, entropy), (ref_logprob, _) = score_logprobs(
+        model, p_ids, r_ids, adapters=(POLICY, None), entropy=(True, False),
+        temperature=cfg.temperature, batch_size=cfg.score_batch_size,
+    )
+    frame = _token_frame(ro)
+    return frame.with_columns(
+        token=_token_texts(model, frame["token_id"]),
+        logprob=pl.Series(logprob),
+        ref_logprob=pl.Series(ref_logprob),
+        kl=pl.Series(logprob - ref_logprob),
+        entropy=pl.Series(entropy),
+    ).to_arrow()
+
+
+def _attribute_finish(cfg: PPOConfig, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+    return table, {"tokens": table.num_rows, "entropy": float(table.column("entropy").to_numpy().mean())}
+
+
+def _value_inputs(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: Checkpoint) -> dict[str, Path]:
+    return {"rollouts": rollouts_path, "value_adapter": checkpoint.adapter(VALUE)}
+
+
+def _value_rows(cfg: PPOConfig, iteration: int, shard: Shard, rollouts_path: Path, checkpoint: Checkpoint) -> pa.Table:
+    from ppo_core.score import score_values
+
+    ro, model, p_ids, r_ids = _scoring_inputs(cfg, rollouts_path, checkpoint, VALUE, shard)
+    values = score_values(model, p_ids, r_ids, batch_size=cfg.score_batch_size)
+    return _token_frame(ro).select("rollout_id", "t").with_columns(value=pl.Series(values)).to_arrow()
+
+
+def _value_finish(cfg: PPOConfig, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+    return table, {"value": float(table.column("value").to_numpy().mean())}
+
+
+def _evaluate_inputs(cfg: PPOConfig, iteration: int, checkpoint: Checkpoint) -> dict[str, Path]:
+    return {"policy_adapter": checkpoint.adapter(POLICY), "eval_prompts": cfg.eval_prompts_path, **_reward_inputs(cfg)}
+
+
+def _evaluate_rows(cfg: PPOConfig, iteration: int, shard: Shard, checkpoint: Checkpoint) -> pa.Table:
+    """Answers to the shard's held-out prompts; scored in ``_evaluate_finish`` over the whole set."""
+    from ppo_core.generate import decode_responses, generate, render_prompts
+
+    all_prompts = load_prompts(cfg.eval_prompts_path).head(cfg.eval_size)
+    rows = shard.rows(all_prompts.height)
+    prompts = all_prompts[rows]
+    model = model_for(cfg, checkpoint, (POLICY,))
+    prompt_ids = render_prompts(model, prompts["prompt"].to_list())
+    gen = generate(
+        model, prompt_ids, adapter=POLICY, max_new_tokens=cfg.eval_max_new_tokens,
+        temperature=cfg.eval_temperature, top_p=1.0, seeds=phase_row_seeds(cfg, iteration, "evaluate", rows),
+    )
+    return _as_table("eval", {
+        "prompt_id": prompts["prompt_id"].to_list(),
+        "prompt": prompts["prompt"].to_list(),
+        "response": decode_responses(model, gen.response_ids),
+        "response_tokens": np.array([len(r) for r in gen.response_ids], dtype=np.int32),
+        "finish_reason": gen.finish_reasons,
+        "score": np.full(len(rows), np.nan),
+    })  # fmt: skip
+
+
+def _evaluate_finish(cfg: PPOConfig, table: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+    """Score every answer at once: a batch-normalised reward must see the whole held-out set."""
+    lengths = table.column("response_tokens").to_numpy()
+    prompts, responses = table.column("prompt").to_pylist(), table.column("response").to_pylist()
+    scores = score_responses(reward_function(cfg), prompts, responses, lengths)
+    table = table.set_column(table.schema.get_field_index("score"), "score", pa.array(scores, pa.float32()))
+    return table, {"eval_score": float(scores.mean()), "eval_response_length": float(lengths.mean())}
+
+
+DATA_PHASES = {
+    spec.name: spec
+    for spec in (
+        DataPhase("rollout", "rollouts", _rollout_inputs, _rollout_rows, _rollout_finish),
+        DataPhase("attribute", "sa_pairs", _attribute_inputs, _attribute_rows, _attribute_finish),
+        DataPhase("value", "values", _value_inputs, _value_rows, _value_finish),
+        DataPhase("evaluate", "eval", _evaluate_inputs, _evaluate_rows, _evaluate_finish),
+    )
+}
+
+
+def rollout(cfg: PPOConfig, iteration: int, checkpoint: Checkpoint, shard: Shard = WHOLE) -> PhaseResult:
+    """Sample one response per chosen prompt with the policy of ``checkpoint``."""
+    return _run_data_phase(DATA_PHASES["rollout"], cfg, iteration, (checkpoint,), shard)
+
+
+def attribute(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: Checkpoint, shard: Shard = WHOLE) -> PhaseResult:
+    """Per-token policy and reference logprobs, KL and entropy."""
+    return _run_data_phase(DATA_PHASES["attribute"], cfg, iteration, (rollouts_path, checkpoint), shard)
+
+
+def value(cfg: PPOConfig, iteration: int, rollouts_path: Path, checkpoint: Checkpoint, shard: Shard = WHOLE) -> PhaseResult:
+    """V(s_t) of the value model of ``checkpoint`` for every generated token."""
+    return _run_data_phase(DATA_PHASES["value"], cfg, iteration, (rollouts_path, checkpoint), shard)
+
+
+def evaluate(cfg: PPOConfig, iteration: int, checkpoint: Checkpoint, shard: Shard = WHOLE) -> PhaseResult:
+    """Score the policy of ``checkpoint`` on the held-out eval prompts."""
+    return _run_data_phase(DATA_PHASES["evaluate"], cfg, iteration, (checkpoint,), shard)

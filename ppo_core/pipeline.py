@@ -1,26 +1,41 @@
 """The order of one PPO iteration's phases, independent of who runs them: the one wiring.
 
-``run_iteration`` takes a ``call(fn, cfg, *args)`` adaptor: the Prefect flow
-passes one that runs each phase as a task; by default the phase functions are
-called directly, for notebooks, scripts, tests and benchmarks without Prefect.
-``run`` trains without MLflow; ``run_tracked`` is what the flow does: the same
-iterations, each logged to the run's MLflow run, and the last policy registered.
+Every function here takes a ``Runner``: how a phase is called (``call``) and
+how the shards of a data-parallel phase are run side by side (``map``). The
+default ``Runner`` calls the phase functions directly, one after another, for
+notebooks, scripts, tests and benchmarks without Prefect; the Prefect flow
+passes one that runs each phase and each shard as a task (on Ray workers when
+the flow has a Ray task runner). ``run`` trains without MLflow; ``run_tracked``
+is what the flow does: the same iterations, each logged to the run's MLflow
+run, and the last policy registered.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from ppo_core import phases, registry, runs, track
 from ppo_core.config import PPOConfig
+from ppo_core.phases import Shard
 from ppo_core.report import build_report
 
-Call = Callable[..., dict[str, Any]]
+PhaseCall = tuple[tuple[Any, ...], dict[str, Any]]  # (positional args after cfg, keyword args)
 
 
-def direct_call(fn: Callable[..., phases.PhaseResult], cfg: PPOConfig, *args: Any) -> dict[str, Any]:
-    return fn(cfg, *args).to_json()
+@dataclass
+class Runner:
+    """Runs phases in this process, one after another; ``shards`` > 1 splits the data-parallel phases."""
+
+    shards: int = 1
+
+    def call(self, fn: Callable[..., phases.PhaseResult], cfg: PPOConfig, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return fn(cfg, *args, **kwargs).to_json()
+
+    def map(self, fn: Callable[..., phases.PhaseResult], cfg: PPOConfig, calls: list[PhaseCall]) -> list[dict[str, Any]]:
+        """Run ``fn`` once per call; a runner with workers runs them side by side."""
+        return [self.call(fn, cfg, *args, **kwargs) for args, kwargs in calls]
 
 
 def output(result: dict[str, Any], name: str) -> Path:
@@ -28,31 +43,45 @@ def output(result: dict[str, Any], name: str) -> Path:
     return Path(result["outputs"][name])
 
 
-def start(cfg: PPOConfig, call: Call = direct_call) -> list[dict[str, Any]]:
+def _data_phase(runner: Runner, fn: Callable[..., phases.PhaseResult], cfg: PPOConfig, iteration: int, *args: Any) -> dict[str, Any]:
+    """A data-parallel phase: whole when unsharded or already done, else its shards side by side, then merged."""
+    name = fn.__name__
+    rows = cfg.eval_size if name == "evaluate" else cfg.batch_size
+    count = min(runner.shards, rows)
+    if count <= 1 or phases.done(name, cfg, iteration, *args) is not None:
+        return runner.call(fn, cfg, iteration, *args)
+    parts = runner.map(fn, cfg, [((iteration, *args), {"shard": shard}) for shard in Shard.split(count)])
+    table = phases.DATA_PHASES[name].table
+    return runner.call(phases.merge, cfg, iteration, name, [output(p, table) for p in parts], *args)
+
+
+def start(cfg: PPOConfig, runner: Runner | None = None) -> list[dict[str, Any]]:
     """Iteration 0: seeded initial adapters and the baseline evaluation (reused once written)."""
-    results = [call(phases.init_checkpoint, cfg)]
+    runner = runner or Runner()
+    results = [runner.call(phases.init_checkpoint, cfg)]
     if cfg.eval_size:
-        results.append(call(phases.evaluate, cfg, 0, cfg.layout.checkpoint(0)))
+        results.append(_data_phase(runner, phases.evaluate, cfg, 0, cfg.layout.checkpoint(0)))
     runs.write_manifest(cfg, 0, results)
     return results
 
 
-def run_iteration(cfg: PPOConfig, iteration: int, call: Call = direct_call) -> list[dict[str, Any]]:
+def run_iteration(cfg: PPOConfig, iteration: int, runner: Runner | None = None) -> list[dict[str, Any]]:
     """All phases of ``iteration`` (each reused if its outputs are intact), then its manifest.
 
     Results come back in ``phases.ITERATION_PHASES`` order.
     """
+    runner = runner or Runner()
     prev = cfg.layout.checkpoint(iteration - 1)
-    ro = call(phases.rollout, cfg, iteration, prev)
+    ro = _data_phase(runner, phases.rollout, cfg, iteration, prev)
     rollouts = output(ro, "rollouts")
-    sa = call(phases.attribute, cfg, iteration, rollouts, prev)
-    rw = call(phases.reward, cfg, iteration, rollouts, output(sa, "sa_pairs"))
-    va = call(phases.value, cfg, iteration, rollouts, prev)
-    ad = call(phases.advantage, cfg, iteration, output(rw, "rewards"), output(va, "values"))
-    tr = call(phases.train, cfg, iteration, rollouts, output(sa, "sa_pairs"), output(ad, "advantages"), prev)
+    sa = _data_phase(runner, phases.attribute, cfg, iteration, rollouts, prev)
+    rw = runner.call(phases.reward, cfg, iteration, rollouts, output(sa, "sa_pairs"))
+    va = _data_phase(runner, phases.value, cfg, iteration, rollouts, prev)
+    ad = runner.call(phases.advantage, cfg, iteration, output(rw, "rewards"), output(va, "values"))
+    tr = runner.call(phases.train, cfg, iteration, rollouts, output(sa, "sa_pairs"), output(ad, "advantages"), prev)
     results = [ro, sa, rw, va, ad, tr]
     if cfg.eval_size:
-        results.append(call(phases.evaluate, cfg, iteration, cfg.layout.checkpoint(iteration)))
+        results.append(_data_phase(runner, phases.evaluate, cfg, iteration, cfg.layout.checkpoint(iteration)))
     runs.write_manifest(cfg, iteration, results)
     return results
 
@@ -72,18 +101,18 @@ def iteration_metrics(phase_results: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def run(cfg: PPOConfig, iterations: int, call: Call = direct_call) -> dict[int, list[dict[str, Any]]]:
+def run(cfg: PPOConfig, iterations: int, runner: Runner | None = None) -> dict[int, list[dict[str, Any]]]:
     """Run the next ``iterations`` iterations of ``cfg.run`` without Prefect or MLflow."""
     runs.check_inputs(cfg)
     with runs.run_lock(cfg):
         runs.pin_config(cfg)
-        start(cfg, call)
+        start(cfg, runner)
         first = runs.next_iteration(cfg)
-        return {it: run_iteration(cfg, it, call) for it in range(first, first + iterations)}
+        return {it: run_iteration(cfg, it, runner) for it in range(first, first + iterations)}
 
 
 def run_tracked(
-    cfg: PPOConfig, iterations: int, call: Call = direct_call, log: Callable[[str], None] = print
+    cfg: PPOConfig, iterations: int, runner: Runner | None = None, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Run the next ``iterations`` iterations of ``cfg.run`` with MLflow tracking.
 
@@ -98,12 +127,12 @@ def run_tracked(
         track.ensure_run(cfg)
         track.set_status(cfg, "RUNNING")
         try:
-            baseline = start(cfg, call)
+            baseline = start(cfg, runner)
             track.log_iteration(cfg, 0, iteration_metrics(baseline), [])
             first = runs.next_iteration(cfg)
             done: dict[int, dict[str, float]] = {}
             for iteration in range(first, first + iterations):
-                metrics = iteration_metrics(run_iteration(cfg, iteration, call))
+                metrics = iteration_metrics(run_iteration(cfg, iteration, runner))
                 track.log_iteration(cfg, iteration, metrics, runs.step_rows(cfg, iteration))
                 done[iteration] = metrics
                 log(

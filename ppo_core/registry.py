@@ -276,10 +276,10 @@ def generate_text(
     model: PolicyValueModel, prompts: list[str], *, max_new_tokens: int = 40, temperature: float = 0.0, seed: int = 0
 ) -> list[str]:
     """The policy's answers to ``prompts`` (each a user turn); ``temperature`` 0 is greedy."""
-    from ppo_core.generate import decode_responses, generate, render_prompts
+    from ppo_core.generate import decode_responses, generate, render_prompts, row_seeds
 
     gen = generate(
         model, render_prompts(model, prompts), adapter=POLICY,
-        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+        max_new_tokens=max_new_tokens, temperature=temperature, seeds=row_seeds(str(seed), range(len(prompts))),
     )
     return decode_responses(model, gen.response_ids)

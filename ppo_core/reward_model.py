@@ -20,7 +20,7 @@ import polars as pl
 from ppo_core.config import RewardModelSettings
 from ppo_core.generate import render_prompts
 from ppo_core.layout import reward_model_path, reward_model_sidecar
-from ppo_core.models import REWARD, ModelError, PolicyValueModel
+from ppo_core.models import REWARD, ModelError, PolicyValueModel, load_policy_value_model
 from ppo_core.score import TRUNK_CHUNK, make_batch, trunk_activations
 
 NORMALIZATIONS = ("none", "batch", "train")
@@ -216,8 +216,6 @@ def train_from_file(
     cfg_like, settings: RewardModelSettings, on_epoch: Callable[[dict[str, float]], None] | None = None
 ) -> dict:
     """Load pairs, split by prompt, train, save to ``layout.reward_model_path(root, name)``."""
-    from ppo_core.models import load_policy_value_model
-
     pairs = load_preferences(settings.data)
     train, held = split_pairs(pairs, settings.eval_fraction, cfg_like.seed)
     model = load_policy_value_model(cfg_like)

@@ -66,7 +66,7 @@ class KeywordReward:
         return pl.Series(responses, dtype=pl.String).str.contains(pattern).cast(pl.Float64).to_numpy()
 
 
-def make_reward(spec: str, length_min: int = 8, length_max: int = 24) -> RewardFunction:
+def make_reward(spec: str, length_min: int, length_max: int) -> RewardFunction:
     """Build the reward function named by the config's ``reward`` field."""
     if spec == "vader":
         return VaderSentiment()

@@ -37,8 +37,8 @@ def check_inputs(cfg: PPOConfig) -> None:
         )
     if cfg.eval_size:
         load_prompts(cfg.eval_prompts_path)
-    if cfg.reward.startswith("model:") and not Path(cfg.reward.removeprefix("model:")).is_file():
-        raise ConfigError(f"config field 'reward': reward model file {cfg.reward.removeprefix('model:')} does not exist")
+    if cfg.reward_model_file is not None and not cfg.reward_model_file.is_file():
+        raise ConfigError(f"config field 'reward': reward model file {cfg.reward_model_file} does not exist")
     root = cfg.artifact_root
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,6 @@ from typing import Any
 
 from ppo_core.config import PPOConfig
 from ppo_core.layout import iter_label, mlflow_db, mlruns_dir
-from ppo_core.models import PPO_ADAPTERS
 
 EXPERIMENT = "ppo"
 RUN_TAG = "ppo.run"
@@ -92,10 +91,8 @@ def log_iteration(cfg: PPOConfig, iteration: int, metrics: dict[str, float], ste
         mlf.log_batch(run_id, metrics=batch[i : i + 900])
     mlf.set_tag(run_id, f"iter.{iteration:04d}.parquet", str(layout.iter_dir(iteration).resolve()))
     mlf.set_tag(run_id, "last_iteration", str(iteration))
-    ckpt = layout.checkpoint(iteration)
-    for a in PPO_ADAPTERS:
-        if ckpt.adapter(a).is_file():
-            mlf.log_artifact(run_id, str(ckpt.adapter(a)), artifact_path=adapter_artifact_dir(iteration))
+    for path in layout.checkpoint(iteration).adapter_files():
+        mlf.log_artifact(run_id, str(path), artifact_path=adapter_artifact_dir(iteration))
     _log_table_inputs(cfg, mlf, run_id, iteration)
     eval_table = layout.table(iteration, "eval")
     if eval_table.is_file():

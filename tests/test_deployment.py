@@ -83,7 +83,7 @@ def test_deployment_iterates_and_resumes(served, tiny_cfg):
     first = _deployment_run(served, {"run": "deployed", "iterations": 1, "overrides": overrides})
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert cfg.layout.completed_iterations() == [0, 1]
-    records = {p: p.stat().st_mtime_ns for p in cfg.layout.run_dir.rglob("iter=0001/phases/*.json")}
+    records = {p: p.stat().st_mtime_ns for p in cfg.layout.phase_record(1, "rollout").parent.glob("*.json")}
     assert len(records) == 7
 
     second = _deployment_run(served, {"run": "deployed", "iterations": 1, "overrides": overrides})

@@ -61,7 +61,7 @@ def test_flow_runs_resumes_and_tracks(flow_overrides, tmp_path):
     assert manifest["phases"]["rollout"]["cached"] is False
 
     # the HTML report is rebuilt by each flow run (now covering iterations 0-3) and logged on the MLflow run
-    report = cfg.layout.run_dir / "report.html"
+    report = cfg.layout.report
     assert summary["report"] == str(report) and '<b id="iterations">0\u20133</b>' in report.read_text()
     logged = mlf.download_artifacts(runs[0].info.run_id, "report.html", str(tmp_path))
     assert Path(logged).read_bytes() == report.read_bytes()

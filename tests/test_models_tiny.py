@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ppo_core.generate import decode_responses, generate, render_prompts
+from ppo_core.generate import decode_responses, generate, render_prompts, row_seeds
 from ppo_core.models import POLICY, VALUE, ModelError, load_policy_value_model, resolve_model_dir
 from ppo_core.score import score_logprobs, score_values
 
@@ -30,7 +30,7 @@ def _perturb(model, adapter: str, seed: int = 1) -> None:
 
 def test_fresh_adapters_equal_reference(model):
     ids = render_prompts(model, PROMPTS)
-    gen = generate(model, ids, adapter=None, max_new_tokens=6, temperature=1.0, seed=3)
+    gen = generate(model, ids, adapter=None, max_new_tokens=6, temperature=1.0, seeds=row_seeds("3", range(len(ids))))
     (lp_policy, _), (lp_ref, _) = score_logprobs(
         model, ids, gen.response_ids, adapters=(POLICY, None), temperature=1.0, batch_size=8
     )
@@ -51,9 +51,9 @@ def test_left_padding_does_not_change_greedy_output(model):
 
 def test_sampling_is_keyed_by_seed(model):
     ids = render_prompts(model, PROMPTS)
-    a = generate(model, ids, adapter=POLICY, max_new_tokens=8, temperature=1.0, seed=5)
-    b = generate(model, ids, adapter=POLICY, max_new_tokens=8, temperature=1.0, seed=5)
-    c = generate(model, ids, adapter=POLICY, max_new_tokens=8, temperature=1.0, seed=6)
+    a = generate(model, ids, adapter=POLICY, max_new_tokens=8, temperature=1.0, seeds=row_seeds("5", range(len(ids))))
+    b = generate(model, ids, adapter=POLICY, max_new_tokens=8, temperature=1.0, seeds=row_seeds("5", range(len(ids))))
+    c = generate(model, ids, adapter=POLICY, max_new_tokens=8, temperature=1.0, seeds=row_seeds("6", range(len(ids))))
     assert a.response_ids == b.response_ids
     assert a.response_ids != c.response_ids
 
@@ -79,7 +79,7 @@ def test_eos_ends_a_response_and_is_kept(model):
 def test_score_matches_sampling_logprobs_and_is_padding_invariant(model):
     _perturb(model, POLICY)
     ids = render_prompts(model, PROMPTS)
-    gen = generate(model, ids, adapter=POLICY, max_new_tokens=8, temperature=0.7, seed=2)
+    gen = generate(model, ids, adapter=POLICY, max_new_tokens=8, temperature=0.7, seeds=row_seeds("2", range(len(ids))))
     [(lp_all, ent_all)] = score_logprobs(model, ids, gen.response_ids, adapters=(POLICY,), temperature=0.7, batch_size=3)
     np.testing.assert_allclose(lp_all, np.concatenate(gen.sampling_logprobs), atol=2e-4)
     [(lp_one, ent_one)] = score_logprobs(model, ids, gen.response_ids, adapters=(POLICY,), temperature=0.7, batch_size=1)

@@ -102,17 +102,17 @@ def test_keyword_whole_word_case_insensitive():
 
 
 def test_make_reward_specs():
-    assert isinstance(make_reward("vader"), VaderSentiment)
+    assert isinstance(make_reward("vader", 8, 24), VaderSentiment)
     length = make_reward("length", length_min=3, length_max=7)
     assert isinstance(length, LengthWindow) and (length.lo, length.hi) == (3, 7)
-    kw = make_reward("keyword:happy,joy")
+    kw = make_reward("keyword:happy,joy", 8, 24)
     assert isinstance(kw, KeywordReward) and kw.keywords == ("happy", "joy")
 
 
 @pytest.mark.parametrize("spec", ["nope", "", "Vader", "keywords:x", "model:/some/path"])
 def test_make_reward_rejects_unknown(spec):
     with pytest.raises(RewardError):
-        make_reward(spec)
+        make_reward(spec, 8, 24)
 
 
 # --- score_responses ---------------------------------------------------------

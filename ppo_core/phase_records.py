@@ -1,0 +1,102 @@
+"""Phase records: reuse a phase's outputs when its inputs, config and code are unchanged.
+
+A phase's cache key hashes its name and code version, the config's training
+hash, the iteration and the content of every input file. Its record (where
+``RunLayout.phase_record`` puts it) holds that key, the output paths and their
+hashes: a record whose key matches and whose outputs still hash the same is a
+finished phase; anything else is recomputed, never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ppo_core.config import PPOConfig
+from ppo_core.faults import failpoint
+from ppo_core.tables import atomic_write_text, sha256_file
+
+Compute = Callable[[], tuple[dict[str, Path], dict[str, float]]]
+
+
+@dataclass
+class PhaseResult:
+    """JSON-serialisable outcome of a phase (what a Prefect task returns)."""
+
+    phase: str
+    iteration: int
+    outputs: dict[str, str]
+    hashes: dict[str, str]
+    cached: bool
+    seconds: float
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def path(self, name: str) -> Path:
+        return Path(self.outputs[name])
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cache_key(cfg: PPOConfig, iteration: int, phase: str, version: int, inputs: dict[str, Path]) -> str:
+    payload = {
+        "phase": phase,
+        "version": version,
+        "config": cfg.training_hash(),
+        "iteration": iteration,
+        "inputs": {name: sha256_file(p) for name, p in sorted(inputs.items())},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _check_inputs(iteration: int, phase: str, inputs: dict[str, Path]) -> None:
+    missing = [f"{n} ({p})" for n, p in inputs.items() if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{phase} (iteration {iteration}) is missing its input(s): {', '.join(missing)}")
+
+
+def _valid_record(cfg: PPOConfig, iteration: int, phase: str, key: str) -> dict[str, Any] | None:
+    path = cfg.layout.phase_record(iteration, phase)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if record.get("key") != key:
+        return None
+    for name, p in record["outputs"].items():
+        # a cached result never hands back a path to a file that is gone or altered
+        if not Path(p).is_file() or sha256_file(Path(p)) != record["hashes"][name]:
+            return None
+    return record
+
+
+def lookup(cfg: PPOConfig, iteration: int, phase: str, version: int, inputs: dict[str, Path]) -> PhaseResult | None:
+    """The phase's verified earlier result, or None when it has to run."""
+    _check_inputs(iteration, phase, inputs)
+    record = _valid_record(cfg, iteration, phase, cache_key(cfg, iteration, phase, version, inputs))
+    if record is None:
+        return None
+    return PhaseResult(phase, iteration, record["outputs"], record["hashes"], True, record["seconds"], record["stats"])
+
+
+def run_phase(
+    cfg: PPOConfig, iteration: int, phase: str, version: int, inputs: dict[str, Path], compute: Compute
+) -> PhaseResult:
+    """Reuse the phase's outputs when inputs, config and code are unchanged; else compute and record them."""
+    cached = lookup(cfg, iteration, phase, version, inputs)
+    if cached is not None:
+        return cached
+    key = cache_key(cfg, iteration, phase, version, inputs)
+    t0 = time.perf_counter()
+    outputs, stats = compute()
+    seconds = time.perf_counter() - t0
+    out = {n: str(p) for n, p in outputs.items()}
+    hashes = {n: sha256_file(Path(p)) for n, p in outputs.items()}
+    record = {"key": key, "outputs": out, "hashes": hashes, "seconds": seconds, "stats": stats}
+    atomic_write_text(cfg.layout.phase_record(iteration, phase), json.dumps(record, indent=2, sort_keys=True))
+    failpoint("phase.done")
+    return PhaseResult(phase, iteration, out, hashes, False, seconds, stats)
