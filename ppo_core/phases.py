@@ -21,7 +21,7 @@ scores with; iteration 0's checkpoint holds the seeded initial adapters.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -258,52 +258,110 @@ def advantage(cfg: PPOConfig, iteration: int, rewards_path: Path, values_path: P
     return _run(cfg, iteration, "advantage", inputs, compute)
 
 
-def train(
-    cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: Path, advantages_path: Path, checkpoint: Checkpoint
-) -> PhaseResult:
-    """PPO epochs over the joined tables; writes iteration N's checkpoint and metrics table."""
-    inputs = {"rollouts": rollouts_path, "sa_pairs": sa_pairs_path, "advantages": advantages_path}
+@dataclass(frozen=True)
+class TrainJob:
+    """One iteration's training, as JSON-able fields: what a rank process is handed."""
+
+    cfg: dict[str, Any]
+    iteration: int
+    rollouts: str
+    sa_pairs: str
+    advantages: str
+    checkpoint: str  # the folder of the checkpoint trained from
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+RankLauncher = Callable[[TrainJob, int], None]  # runs train_job on N ranks; raises when one fails
+
+
+def _train_inputs(checkpoint: Checkpoint) -> dict[str, Path]:
+    inputs = {}
     for a in PPO_ADAPTERS:  # iteration 0's checkpoint has adapters but no optimiser state yet
         inputs[f"{a}_adapter"] = checkpoint.adapter(a)
         if checkpoint.optimizer(a).is_file():
             inputs[f"{a}_optimizer"] = checkpoint.optimizer(a)
+    return inputs
+
+
+def train_job(job: TrainJob, group: Any = None) -> None:
+    """PPO epochs over the joined tables; rank 0 (or the only process) writes the checkpoint and metrics.
+
+    ``group`` is an ``mx.distributed`` group: each rank trains on its slice of
+    every minibatch and all take the same steps (``ppo_core.train``).
+    """
+    cfg, iteration = PPOConfig(**job.cfg), job.iteration
+    checkpoint = Checkpoint(Path(job.checkpoint))
+    ro = read_table(Path(job.rollouts))
+    tokens = pl.from_arrow(read_table(Path(job.sa_pairs))).join(
+        pl.from_arrow(read_table(Path(job.advantages))), on=["rollout_id", "t"], how="inner", maintain_order="left"
+    )
+    adv_col = "whitened_advantage" if cfg.whiten_advantages else "advantage"
+    data = TrainData(
+        prompt_ids=_lists(ro, "prompt_token_ids"),
+        response_ids=_lists(ro, "response_token_ids"),
+        old_logprob=tokens["logprob"].to_numpy(),
+        old_value=tokens["value"].to_numpy(),
+        advantage=tokens[adv_col].to_numpy(),
+        returns=tokens["return"].to_numpy(),
+    )
+    if len(data.old_logprob) != int(data.lengths.sum()):
+        raise ValueError("sa_pairs and advantages do not cover every generated token")
+    model = model_for(cfg, checkpoint)
+    optimizers = {POLICY: make_optimizer(cfg.policy_lr), VALUE: make_optimizer(cfg.value_lr)}
+    for name, path in _train_inputs(checkpoint).items():
+        if name.endswith("_optimizer"):
+            load_optimizer(optimizers[name.removesuffix("_optimizer")], path)
+    rng = np.random.default_rng(phase_seed(cfg, iteration, "train"))
+    rows = ppo_update(model, data, TrainSettings.from_config(cfg), optimizers, rng, group)
+    if group is not None and group.rank() != 0:
+        return
+    ckpt = cfg.layout.checkpoint(iteration)
+    for a in PPO_ADAPTERS:
+        model.save_adapter(a, ckpt.adapter(a))
+        save_optimizer(optimizers[a], ckpt.optimizer(a))
+    write_table(cfg.layout.iter_dir(iteration), "metrics", pl.DataFrame(rows).to_arrow())
+
+
+def train(
+    cfg: PPOConfig,
+    iteration: int,
+    rollouts_path: Path,
+    sa_pairs_path: Path,
+    advantages_path: Path,
+    checkpoint: Checkpoint,
+    ranks: int = 1,
+    launch: RankLauncher | None = None,
+) -> PhaseResult:
+    """PPO epochs over the joined tables; writes iteration N's checkpoint and metrics table.
+
+    With ``ranks`` > 1 the epochs run data-parallel on that many processes,
+    started by ``launch`` (default: ``ppo_core.ranks.launch_local``, on this
+    machine). The result does not depend on the number of ranks up to float
+    rounding, so it is reused whatever the ranks of a later run.
+    """
+    inputs = {"rollouts": rollouts_path, "sa_pairs": sa_pairs_path, "advantages": advantages_path, **_train_inputs(checkpoint)}
 
     def compute():
-        ro = read_table(rollouts_path)
-        tokens = (
-            pl.from_arrow(read_table(sa_pairs_path))
-            .join(pl.from_arrow(read_table(advantages_path)), on=["rollout_id", "t"], how="inner", maintain_order="left")
-        )
-        adv_col = "whitened_advantage" if cfg.whiten_advantages else "advantage"
-        data = TrainData(
-            prompt_ids=_lists(ro, "prompt_token_ids"),
-            response_ids=_lists(ro, "response_token_ids"),
-            old_logprob=tokens["logprob"].to_numpy(),
-            old_value=tokens["value"].to_numpy(),
-            advantage=tokens[adv_col].to_numpy(),
-            returns=tokens["return"].to_numpy(),
-        )
-        if len(data.old_logprob) != int(data.lengths.sum()):
-            raise ValueError("sa_pairs and advantages do not cover every generated token")
-        model = model_for(cfg, checkpoint)
-        optimizers = {POLICY: make_optimizer(cfg.policy_lr), VALUE: make_optimizer(cfg.value_lr)}
-        for a in PPO_ADAPTERS:
-            if f"{a}_optimizer" in inputs:
-                load_optimizer(optimizers[a], inputs[f"{a}_optimizer"])
-        rng = np.random.default_rng(phase_seed(cfg, iteration, "train"))
-        rows = ppo_update(model, data, TrainSettings.from_config(cfg), optimizers, rng)
+        job = TrainJob(cfg.to_json_dict(), iteration, str(rollouts_path), str(sa_pairs_path), str(advantages_path), str(checkpoint.dir))
+        if ranks <= 1:
+            train_job(job)
+        else:
+            from ppo_core.ranks import check_ranks, launch_local
+
+            check_ranks(cfg, ranks)
+            (launch or launch_local)(job, ranks)
         ckpt = cfg.layout.checkpoint(iteration)
         paths = {}
         for a in PPO_ADAPTERS:
             paths[f"{a}_adapter"], paths[f"{a}_optimizer"] = ckpt.adapter(a), ckpt.optimizer(a)
-            model.save_adapter(a, ckpt.adapter(a))
-            save_optimizer(optimizers[a], ckpt.optimizer(a))
-        metrics = pl.DataFrame(rows)
-        paths["metrics"] = write_table(cfg.layout.iter_dir(iteration), "metrics", metrics.to_arrow())
+        paths["metrics"] = cfg.layout.table(iteration, "metrics")
+        metrics = pl.from_arrow(read_table(paths["metrics"]))
         last_epoch = metrics.filter(pl.col("epoch") == metrics["epoch"].max())
         keys = ["policy_loss", "value_loss", "approx_kl", "clip_fraction"] + (["entropy"] if cfg.entropy_coef > 0 else [])
         stats = {k: float(last_epoch[k].mean()) for k in keys}
-        stats["tokens"] = float(len(data.old_logprob) * cfg.ppo_epochs)
+        stats["tokens"] = float(_flat_lengths(read_table(rollouts_path)).sum() * cfg.ppo_epochs)
         stats["optimizer_steps"] = float(metrics.height)
         return paths, stats
 

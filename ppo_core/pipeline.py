@@ -26,9 +26,19 @@ PhaseCall = tuple[tuple[Any, ...], dict[str, Any]]  # (positional args after cfg
 
 @dataclass
 class Runner:
-    """Runs phases in this process, one after another; ``shards`` > 1 splits the data-parallel phases."""
+    """Runs phases in this process, one after another.
+
+    ``shards`` > 1 splits the data-parallel phases; ``train_ranks`` > 1 trains
+    on that many ``mx.distributed`` ranks, started by ``launch_ranks``
+    (default: processes on this machine).
+    """
 
     shards: int = 1
+    train_ranks: int = 1
+    launch_ranks: phases.RankLauncher | None = None
+
+    def train_options(self) -> dict[str, Any]:
+        return {"ranks": self.train_ranks, "launch": self.launch_ranks} if self.train_ranks > 1 else {}
 
     def call(self, fn: Callable[..., phases.PhaseResult], cfg: PPOConfig, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return fn(cfg, *args, **kwargs).to_json()
@@ -78,7 +88,9 @@ def run_iteration(cfg: PPOConfig, iteration: int, runner: Runner | None = None) 
     rw = runner.call(phases.reward, cfg, iteration, rollouts, output(sa, "sa_pairs"))
     va = _data_phase(runner, phases.value, cfg, iteration, rollouts, prev)
     ad = runner.call(phases.advantage, cfg, iteration, output(rw, "rewards"), output(va, "values"))
-    tr = runner.call(phases.train, cfg, iteration, rollouts, output(sa, "sa_pairs"), output(ad, "advantages"), prev)
+    tr = runner.call(
+        phases.train, cfg, iteration, rollouts, output(sa, "sa_pairs"), output(ad, "advantages"), prev, **runner.train_options()
+    )
     results = [ro, sa, rw, va, ad, tr]
     if cfg.eval_size:
         results.append(_data_phase(runner, phases.evaluate, cfg, iteration, cfg.layout.checkpoint(iteration)))

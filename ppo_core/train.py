@@ -3,6 +3,12 @@
 ``ppo_update`` shuffles the rollouts into minibatches each epoch; ``PPOStep``
 takes one clipped-gradient optimiser step of the policy and one of the value
 adapter per ``Minibatch``, in the spirit of mlx-lm's ``step(batch)``.
+
+Data-parallel: given an ``mx.distributed`` group of N ranks, each rank takes
+its contiguous slice of every minibatch; token means are taken over the whole
+minibatch's tokens, so summing the ranks' gradients (one ``all_sum`` of all of
+them, flattened) gives the minibatch's gradient, clipped by its global norm.
+Every rank then takes the same optimiser step.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ class Minibatch:
     old_value: mx.array
     returns: mx.array
     where: str  # "epoch E minibatch M", for error messages
+    denominator: mx.array | None = None  # tokens of the whole minibatch across ranks (None: this grid's)
 
 
 # Optimiser trees are keyed by '/'-joined paths so that tree_flatten/unflatten
@@ -104,11 +111,28 @@ def _finite(name: str, value: mx.array, where: str) -> None:
         raise TrainingError(f"non-finite {name} at {where}; the iteration fails and the checkpoint is not advanced")
 
 
+def all_sum_tree(tree, group: mx.distributed.Group):
+    """Sum a tree of arrays over the ranks of ``group`` in one collective (the leaves flattened into one vector)."""
+    flat = tree_flatten(tree)
+    vector = mx.distributed.all_sum(mx.concatenate([v.reshape(-1) for _, v in flat]), group=group)
+    out, start = [], 0
+    for key, v in flat:
+        out.append((key, vector[start : start + v.size].reshape(v.shape)))
+        start += v.size
+    return tree_unflatten(out)
+
+
 class PPOStep:
     """One optimiser step of the policy and one of the value adapter per minibatch."""
 
-    def __init__(self, model: PolicyValueModel, settings: TrainSettings, optimizers: dict[str, optim.Optimizer]):
-        self.model, self.settings, self.optimizers = model, settings, optimizers
+    def __init__(
+        self,
+        model: PolicyValueModel,
+        settings: TrainSettings,
+        optimizers: dict[str, optim.Optimizer],
+        group: mx.distributed.Group | None = None,
+    ):
+        self.model, self.settings, self.optimizers, self.group = model, settings, optimizers, group
         self.params = {a: _slash(model.trainable(a)) for a in PPO_ADAPTERS}
         self._grads = {POLICY: mx.value_and_grad(self._policy_objective), VALUE: mx.value_and_grad(self._value_objective)}
 
@@ -117,16 +141,20 @@ class PPOStep:
         self.model.assign(_dot(params))
         # entropy is a training signal only with a bonus; attribute reports it otherwise
         lp, ent = token_logprobs(self.model, mb.batch, POLICY, s.temperature, mb.trunk, s.entropy_coef > 0)
-        return policy_loss(lp, mb.old_logprob, mb.advantage, mb.batch.mask, s.clip_range, ent, s.entropy_coef)
+        return policy_loss(
+            lp, mb.old_logprob, mb.advantage, mb.batch.mask, s.clip_range, ent, s.entropy_coef, mb.denominator
+        )
 
     def _value_objective(self, params, mb: Minibatch):
         self.model.assign(_dot(params))
         v = token_values(self.model, mb.batch, VALUE, mb.trunk)
-        return value_loss(v, mb.old_value, mb.returns, mb.batch.mask, self.settings.value_clip_range)
+        return value_loss(v, mb.old_value, mb.returns, mb.batch.mask, self.settings.value_clip_range, mb.denominator)
 
     def _update(self, adapter: str, loss_name: str, mb: Minibatch) -> tuple[dict[str, mx.array], mx.array]:
         """One clipped-gradient step of ``adapter``; fails loudly on non-finite numbers."""
         (_, stats), grads = self._grads[adapter](self.params[adapter], mb)
+        if self.group is not None:  # this rank's share of the minibatch's means: the sums are the minibatch's
+            grads, stats = all_sum_tree(grads, self.group), all_sum_tree(stats, self.group)
         grads, norm = optim.clip_grad_norm(grads, self.settings.max_grad_norm)
         mx.eval(stats, norm)
         _finite(f"{adapter} loss", stats[loss_name], mb.where)
@@ -155,9 +183,11 @@ def ppo_update(
     settings: TrainSettings,
     optimizers: dict[str, optim.Optimizer],
     rng: np.random.Generator,
+    group: mx.distributed.Group | None = None,
 ) -> list[dict[str, float]]:
-    """Run the PPO epochs; returns one metrics row per optimiser step."""
+    """Run the PPO epochs; returns one metrics row per optimiser step (the same on every rank)."""
     n = len(data.response_ids)
+    world, rank = (group.size(), group.rank()) if group is not None else (1, 0)
     lengths = data.lengths
     starts = np.concatenate([[0], np.cumsum(lengths)])
 
@@ -168,11 +198,15 @@ def ppo_update(
     # The frozen lower layers see the same tokens in every epoch and for both
     # adapters: run them once for the whole batch, then train only the top.
     trunk_all = trunk_activations(model, make_batch(data.prompt_ids, data.response_ids, model.pad_token_id).tokens)
-    step = PPOStep(model, settings, optimizers)
+    step = PPOStep(model, settings, optimizers, group)
     metrics: list[dict[str, float]] = []
     for epoch in range(settings.epochs):
         for mb, idx in enumerate(np.array_split(rng.permutation(n), settings.num_minibatches)):
             idx = np.sort(idx)
+            denominator = None
+            if group is not None:
+                denominator = mx.array(float(max(lengths[idx].sum(), 1)))
+                idx = idx[len(idx) * rank // world : len(idx) * (rank + 1) // world]
             batch = make_batch([data.prompt_ids[i] for i in idx], [data.response_ids[i] for i in idx], model.pad_token_id)
             minibatch = Minibatch(
                 batch=batch,
@@ -182,6 +216,7 @@ def ppo_update(
                 old_value=grid(data.old_value, idx),
                 returns=grid(data.returns, idx),
                 where=f"epoch {epoch} minibatch {mb}",
+                denominator=denominator,
             )
             metrics.append({"step": len(metrics), "epoch": epoch, "minibatch": mb, **step(minibatch)})
             failpoint("train.step")
