@@ -4,7 +4,8 @@ Every parameter is validated before a model loads. Phases whose outputs are
 already on disk (matching their recorded hashes) are reused, so re-running a
 failed flow run resumes it. The iteration loop, MLflow tracking and the model
 registration live in ``ppo_core.pipeline.run_tracked``; this flow runs each
-phase as a Prefect task.
+phase as a Prefect task, in its own process or on a Ray cluster
+(``tasks.cluster.execution``: ``workers``, ``ray_address``, ``train_ranks``).
 """
 
 from __future__ import annotations
@@ -16,21 +17,30 @@ from prefect import flow, get_run_logger
 
 from ppo_core import pipeline
 from ppo_core.config import load_config
-from tasks.phases import PrefectRunner
+from tasks.cluster import check_execution, execution
 
 
-@flow(name="ppo", log_prints=True, validate_parameters=True)
+@flow(name="ppo", log_prints=True, validate_parameters=True, persist_result=False)
 def ppo(
     run: str = "default",
     iterations: int = 1,
     config: str | None = None,
     overrides: dict[str, Any] | None = None,
+    workers: int = 0,
+    ray_address: str | None = None,
+    train_ranks: int = 1,
 ) -> dict[str, Any]:
     """Run ``iterations`` more PPO iterations of run ``run``.
 
     ``config`` is a TOML/JSON file; ``overrides`` maps config fields to values.
+    ``workers`` > 0 runs the data-parallel phases as that many shards on Ray
+    workers (a local Ray instance unless ``ray_address`` names a cluster:
+    ``auto``, ``host:port`` or ``ray://host:10001``); ``train_ranks`` > 1
+    trains data-parallel on that many ``mx.distributed`` ranks.
     """
     if iterations < 1:
         raise ValueError(f"parameter 'iterations' must be >= 1 (got {iterations})")
     cfg = load_config(config, {**(overrides or {}), "run": run})
-    return pipeline.run_tracked(cfg, iterations, PrefectRunner(), get_run_logger().info)
+    check_execution(workers, ray_address, train_ranks)
+    with execution(workers, ray_address, train_ranks) as runner:
+        return pipeline.run_tracked(cfg, iterations, runner, get_run_logger().info)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -84,19 +86,30 @@ def lookup(cfg: PPOConfig, iteration: int, phase: str, version: int, inputs: dic
 
 
 def run_phase(
-    cfg: PPOConfig, iteration: int, phase: str, version: int, inputs: dict[str, Path], compute: Compute
+    cfg: PPOConfig,
+    iteration: int,
+    phase: str,
+    version: int,
+    inputs: dict[str, Path],
+    compute: Compute,
+    earlier_seconds: float = 0.0,
 ) -> PhaseResult:
-    """Reuse the phase's outputs when inputs, config and code are unchanged; else compute and record them."""
+    """Reuse the phase's outputs when inputs, config and code are unchanged; else compute and record them.
+
+    ``earlier_seconds``: time the phase already spent elsewhere (its shards, before a merge), counted in its record.
+    """
     cached = lookup(cfg, iteration, phase, version, inputs)
     if cached is not None:
         return cached
     key = cache_key(cfg, iteration, phase, version, inputs)
     t0 = time.perf_counter()
     outputs, stats = compute()
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 + earlier_seconds
     out = {n: str(p) for n, p in outputs.items()}
     hashes = {n: sha256_file(Path(p)) for n, p in outputs.items()}
-    record = {"key": key, "outputs": out, "hashes": hashes, "seconds": seconds, "stats": stats}
+    # where it ran: with Ray workers the flow's process is not the one that computed a shard
+    ran_on = {"host": socket.gethostname(), "pid": os.getpid()}
+    record = {"key": key, "outputs": out, "hashes": hashes, "seconds": seconds, "stats": stats, "ran_on": ran_on}
     atomic_write_text(cfg.layout.phase_record(iteration, phase), json.dumps(record, indent=2, sort_keys=True))
     failpoint("phase.done")
     return PhaseResult(phase, iteration, out, hashes, False, seconds, stats)

@@ -49,9 +49,11 @@ ITERATION_PHASES = ("rollout", "attribute", "reward", "value", "advantage", "tra
 PHASE_VERSION = {"init": 1, "rollout": 2, "attribute": 1, "reward": 1, "value": 1, "advantage": 1, "train": 1, "evaluate": 2}
 
 
-def _run(cfg: PPOConfig, iteration: int, phase: str, inputs: dict[str, Path], compute: Compute) -> PhaseResult:
+def _run(
+    cfg: PPOConfig, iteration: int, phase: str, inputs: dict[str, Path], compute: Compute, earlier_seconds: float = 0.0
+) -> PhaseResult:
     """run_phase with the phase's code version (a shard's record name is '<phase>.part-I-of-N')."""
-    return run_phase(cfg, iteration, phase, PHASE_VERSION[phase.split(".")[0]], inputs, compute)
+    return run_phase(cfg, iteration, phase, PHASE_VERSION[phase.split(".")[0]], inputs, compute, earlier_seconds)
 
 
 def phase_seed(cfg: PPOConfig, iteration: int, phase: str) -> int:
@@ -404,11 +406,14 @@ def done(phase: str, cfg: PPOConfig, iteration: int, *args: Any) -> PhaseResult 
     return lookup(cfg, iteration, spec.name, PHASE_VERSION[spec.name], spec.inputs(cfg, iteration, *args))
 
 
-def merge(cfg: PPOConfig, iteration: int, phase: str, parts: list[Path], *args: Any) -> PhaseResult:
+def merge(
+    cfg: PPOConfig, iteration: int, phase: str, parts: list[Path], *args: Any, shard_seconds: float = 0.0
+) -> PhaseResult:
     """Concatenate a data phase's shard parts (in shard order) into its table, under the phase's own cache key.
 
     The key is the unsharded phase's, so a finished phase is reused whatever
-    the number of shards of a later run.
+    the number of shards of a later run. ``shard_seconds`` (the wall time of
+    the shards) is added to the phase's recorded time.
     """
     spec = DATA_PHASES[phase]
 
@@ -416,7 +421,7 @@ def merge(cfg: PPOConfig, iteration: int, phase: str, parts: list[Path], *args: 
         table, stats = spec.finish(cfg, pa.concat_tables([read_table(p) for p in parts]))
         return {spec.table: write_table(cfg.layout.iter_dir(iteration), spec.table, table)}, stats
 
-    return _run(cfg, iteration, spec.name, spec.inputs(cfg, iteration, *args), compute)
+    return _run(cfg, iteration, spec.name, spec.inputs(cfg, iteration, *args), compute, shard_seconds)
 
 
 def _rollout_inputs(cfg: PPOConfig, iteration: int, checkpoint: Checkpoint) -> dict[str, Path]:

@@ -12,6 +12,7 @@ run, and the last policy registered.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -60,9 +61,13 @@ def _data_phase(runner: Runner, fn: Callable[..., phases.PhaseResult], cfg: PPOC
     count = min(runner.shards, rows)
     if count <= 1 or phases.done(name, cfg, iteration, *args) is not None:
         return runner.call(fn, cfg, iteration, *args)
+    t0 = time.perf_counter()
     parts = runner.map(fn, cfg, [((iteration, *args), {"shard": shard}) for shard in Shard.split(count)])
     table = phases.DATA_PHASES[name].table
-    return runner.call(phases.merge, cfg, iteration, name, [output(p, table) for p in parts], *args)
+    return runner.call(
+        phases.merge, cfg, iteration, name, [output(p, table) for p in parts], *args,
+        shard_seconds=time.perf_counter() - t0,
+    )
 
 
 def start(cfg: PPOConfig, runner: Runner | None = None) -> list[dict[str, Any]]:

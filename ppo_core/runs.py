@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,15 @@ def check_inputs(cfg: PPOConfig) -> None:
         raise ConfigError(f"artifact root {root} cannot be created: {exc.strerror}") from None
     if not os.access(root, os.W_OK | os.X_OK):
         raise ConfigError(f"artifact root {root} is not writable")
+
+
+def check_visible(cfg: PPOConfig) -> None:
+    """Fail clearly on a node that does not see the run's artifact root (on a cluster: the shared filesystem)."""
+    if not cfg.layout.run_json.is_file():
+        raise ConfigError(
+            f"node {socket.gethostname()} does not see artifact root {cfg.artifact_root} (no {cfg.layout.run_json}): "
+            "every node of the cluster must mount the shared artifact root at the same path"
+        )
 
 
 def pin_config(cfg: PPOConfig) -> None:

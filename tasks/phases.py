@@ -4,8 +4,8 @@ Results are plain dicts (paths, hashes, stats), never pickles. Reuse is decided
 by ppo_core's phase records (content hashes), not by Prefect's result cache, so
 a reused result can never point at a deleted or altered file; a reused phase
 finishes in a state named "Cached". ``PrefectRunner`` is the pipeline's runner
-inside a flow: the shards of a data-parallel phase are submitted together, so
-a Ray task runner runs them on its workers side by side.
+inside a flow: given a task runner (Ray's), the shards of a data-parallel phase
+are submitted to it together and run on its workers side by side.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import ppo_core  # noqa: F401  (loads OpenBLAS before mlx)
 from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
+from prefect.task_runners import TaskRunner
 
-from ppo_core import phases
+from ppo_core import phases, runs
 from ppo_core.config import PPOConfig
 from ppo_core.phases import PhaseResult
 from ppo_core.pipeline import PhaseCall, Runner
@@ -54,8 +55,11 @@ def _task_run_name(name: str) -> Callable[[], str]:
 
 
 def _make_task(fn: PhaseFn) -> Task:
-    def run_phase(cfg: dict[str, Any], *args: Any, **kwargs: Any) -> State:
-        return _finish(fn(PPOConfig(**cfg), *args, **kwargs))
+    def run_phase(cfg: dict[str, Any], args: list[Any], kwargs: dict[str, Any]) -> State:
+        config = PPOConfig(**cfg)
+        if "shard" in kwargs:  # a shard may run on another node: it must see the same artifact root
+            runs.check_visible(config)
+        return _finish(fn(config, *args, **kwargs))
 
     name = {phases.init_checkpoint: "init", phases.merge: "merge"}.get(fn, fn.__name__)
     return task(name=name, task_run_name=_task_run_name(name), cache_policy=NO_CACHE, persist_result=False)(run_phase)
@@ -78,13 +82,28 @@ def _data(out: Any) -> dict[str, Any]:
 class PrefectRunner(Runner):
     """The pipeline's runner inside a flow: every phase and every shard is a Prefect task run.
 
-    The config crosses the task boundary as its JSON dict (the task rebuilds and
-    revalidates it); paths, checkpoints and shards pass through as they are.
+    Whole phases run in the flow's process. Shards go to ``task_runner`` (Ray's)
+    when one is given, else they run one after another here: MLX work is never
+    run in threads of one process. The config crosses the task boundary as its
+    JSON dict (the task rebuilds and revalidates it); paths, checkpoints and
+    shards pass through as they are.
     """
 
+    task_runner: TaskRunner | None = None
+    remote_options: dict[str, Any] | None = None  # Ray options for each shard (retries)
+
+    @staticmethod
+    def _parameters(cfg: PPOConfig, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {"cfg": cfg.to_json_dict(), "args": list(args), "kwargs": kwargs}
+
     def call(self, fn: PhaseFn, cfg: PPOConfig, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return _data(PHASE_TASKS[fn](cfg.to_json_dict(), *args, **kwargs))
+        return _data(PHASE_TASKS[fn](**self._parameters(cfg, args, kwargs)))
 
     def map(self, fn: PhaseFn, cfg: PPOConfig, calls: list[PhaseCall]) -> list[dict[str, Any]]:
-        futures = [PHASE_TASKS[fn].submit(cfg.to_json_dict(), *args, **kwargs) for args, kwargs in calls]
+        if self.task_runner is None:
+            return super().map(fn, cfg, calls)
+        from prefect_ray.context import remote_options
+
+        with remote_options(**(self.remote_options or {})):
+            futures = [self.task_runner.submit(PHASE_TASKS[fn], self._parameters(cfg, a, k)) for a, k in calls]
         return [_data(f.result()) for f in futures]

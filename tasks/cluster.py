@@ -1,0 +1,161 @@
+"""Where a flow's tasks run: in the flow's process, or on a Ray cluster (local or existing).
+
+``execution(workers, ray_address, train_ranks)`` yields the pipeline's runner:
+
+- no workers, no address: every phase in the flow's process (the default);
+  ``train_ranks`` > 1 trains on that many local processes.
+- ``workers`` = N without an address (or ``ray_address="local"``): a local Ray
+  instance with N worker processes, started here and stopped at the end.
+- an address (``auto``, ``host:port``, ``ray://host:10001``): an existing
+  cluster, which keeps running; ``workers`` defaults to its CPU count.
+
+With Ray, the data-parallel phases run as N shards, one Prefect task each, on
+the workers (retried on another worker when one dies), and training ranks run
+as Ray actors spread over the nodes. Each worker uses one BLAS thread: N
+single-threaded workers beat one N-threaded process here (MLX's element-wise
+CPU kernels are single-threaded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from ppo_core.config import ConfigError
+from ppo_core.phases import TrainJob
+from ppo_core.train import TrainingError
+from tasks.phases import PrefectRunner
+
+WORKER_ENV = {"PPO_BLAS_THREADS": "1"}
+# fault points and rank deadlines of the driver's environment reach the workers too
+PASSED_TO_WORKERS = ("PPO_KILL_AT", "PPO_KILL_RANK", "PPO_PAUSE_AT", "PPO_PAUSE_FILE", "PPO_RANK_TIMEOUT")
+SHARD_RETRIES = 3  # Ray re-runs a shard whose worker died (not one that raised)
+
+
+def worker_env() -> dict[str, str]:
+    return {**WORKER_ENV, **{k: os.environ[k] for k in PASSED_TO_WORKERS if k in os.environ}}
+
+
+def check_execution(workers: int, ray_address: str | None, train_ranks: int) -> None:
+    """Parameter errors, before anything starts."""
+    if workers < 0:
+        raise ConfigError(f"parameter 'workers' must be >= 0 (got {workers})")
+    if train_ranks < 1:
+        raise ConfigError(f"parameter 'train_ranks' must be >= 1 (got {train_ranks})")
+    if ray_address is not None and not ray_address.strip():
+        raise ConfigError("parameter 'ray_address' is empty: give 'local', 'auto', host:port or ray://host:port")
+
+
+@contextlib.contextmanager
+def execution(workers: int = 0, ray_address: str | None = None, train_ranks: int = 1) -> Iterator[PrefectRunner]:
+    """The runner for these execution parameters; a Ray connection lives as long as the block."""
+    check_execution(workers, ray_address, train_ranks)
+    if not workers and ray_address is None:
+        yield PrefectRunner(train_ranks=train_ranks)
+        return
+    import ray
+    from prefect_ray import RayTaskRunner
+
+    local = ray_address in (None, "local")
+    init: dict[str, Any] = {"include_dashboard": False, "runtime_env": {"env_vars": worker_env()}}
+    if local:
+        init["num_cpus"] = max(workers, train_ranks)
+    else:
+        init["address"] = ray_address
+    try:
+        task_runner = RayTaskRunner(init_kwargs=init).__enter__()
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = "a local Ray instance" if local else f"the Ray cluster at {ray_address}"
+        raise ConfigError(
+            f"cannot start or reach {where}: {exc}. Is the head running (`ray start --head`), and are "
+            "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN set as on the cluster?"
+        ) from None
+    try:
+        shards = workers or int(ray.cluster_resources().get("CPU", 1))
+        launcher = RayRankLauncher() if train_ranks > 1 else None
+        yield PrefectRunner(
+            shards=shards, train_ranks=train_ranks, launch_ranks=launcher, task_runner=task_runner,
+            remote_options={"max_retries": SHARD_RETRIES, "retry_exceptions": False},
+        )
+    finally:
+        task_runner.__exit__(None, None, None)
+
+
+class RayRankLauncher:
+    """Runs a training job on N ``mx.distributed`` ranks as Ray actors, spread over the cluster's nodes.
+
+    Actors rather than ``mlx.launch``: Ray places them (one CPU each, on
+    different nodes where it can), tells each its node's address for the ring
+    hostfile, and kills them all when one fails or the deadline passes (MLX's
+    collectives have no timeout). Each launch uses new actors: a ring group
+    cannot be re-formed in a process once made.
+    """
+
+    def __call__(self, job: TrainJob, ranks: int) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from ppo_core.ranks import rank_timeout
+
+        group = placement_group([{"CPU": 1}] * ranks, strategy="SPREAD")
+        if not group.wait(timeout_seconds=120):
+            remove_placement_group(group)
+            raise TrainingError(f"the Ray cluster could not place {ranks} training ranks (one CPU each) within 120s")
+        actor = ray.remote(num_cpus=1, max_restarts=0)(RankActor)
+        actors = [
+            actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)).remote()
+            for r in range(ranks)
+        ]
+        try:
+            hosts = ray.get([a.address.remote() for a in actors], timeout=120)
+            refs = [a.run.remote(r, hosts, job.to_json()) for r, a in enumerate(actors)]
+            _wait_ranks(ray, refs, rank_timeout())
+        finally:
+            for a in actors:
+                ray.kill(a)
+            remove_placement_group(group)
+
+
+def _wait_ranks(ray, refs: list, timeout: float) -> None:
+    """Wait for every rank; the first failure (or the deadline) ends the launch at once."""
+    deadline = time.monotonic() + timeout
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise TrainingError(
+                f"training ranks did not finish within {timeout:.0f}s; they were stopped and the checkpoint is not advanced"
+            )
+        try:
+            ray.get(done[0])
+        except Exception as exc:  # the rank raised, or its actor died
+            raise TrainingError(
+                f"training rank {refs.index(done[0])} of {len(refs)} failed ({type(exc).__name__}: {str(exc)[-2000:]}); "
+                "the other ranks were stopped and the checkpoint is not advanced"
+            ) from None
+
+
+class RankActor:
+    """One training rank in its own Ray worker process."""
+
+    def address(self) -> str:
+        import ray
+
+        from ppo_core.ranks import free_port
+
+        ip = ray.util.get_node_ip_address()
+        return f"{ip}:{free_port(ip)}"
+
+    def run(self, rank: int, hosts: list[str], job: dict[str, Any]) -> None:
+        from ppo_core import ranks
+
+        directory = Path(tempfile.mkdtemp(prefix="ppo-rank-"))
+        os.environ["MLX_RANK"] = str(rank)
+        os.environ["MLX_HOSTFILE"] = str(ranks.write_hostfile(hosts, directory))
+        ranks.run_rank(TrainJob(**job))
+
