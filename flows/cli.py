@@ -23,21 +23,30 @@ def train(
     iterations: int = typer.Option(3, min=1, help="iterations to run after the last completed one"),
     config: Optional[Path] = typer.Option(None, help="TOML or JSON config file"),
     set_: list[str] = typer.Option([], "--set", help="config override key=value (repeatable)"),
+    workers: int = typer.Option(0, min=0, help="run rollout/attribute/value/evaluate as N shards on Ray workers (0: in this process)"),
+    ray_address: Optional[str] = typer.Option(
+        None, help="Ray cluster for the workers: 'auto', host:port or ray://host:10001 (default: a local Ray with --workers processes)"
+    ),
+    train_ranks: int = typer.Option(1, min=1, help="train data-parallel on N mx.distributed ranks"),
 ) -> None:
     """Run PPO iterations (one Prefect flow run; each phase is a task)."""
+    from tasks.cluster import check_execution, check_reachable
+
     try:
         overrides = dict(parse_override(s) for s in set_)
-    except ConfigError as exc:
-        typer.secho(f"error: {exc}", fg="red", err=True)
-        raise typer.Exit(2)
-    try:
         load_config(config, {**overrides, "run": run})  # fail fast, before Prefect or a model starts
+        check_execution(workers, ray_address, train_ranks)
+        if ray_address not in (None, "local"):
+            check_reachable(ray_address)
     except ConfigError as exc:
         typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(2)
     from flows.ppo import ppo
 
-    summary = ppo(run=run, iterations=iterations, config=str(config) if config else None, overrides=overrides)
+    summary = ppo(
+        run=run, iterations=iterations, config=str(config) if config else None, overrides=overrides,
+        workers=workers, ray_address=ray_address, train_ranks=train_ranks,
+    )
     typer.echo(json.dumps(summary, indent=2))
 
 

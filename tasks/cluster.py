@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +51,23 @@ def check_execution(workers: int, ray_address: str | None, train_ranks: int) -> 
         raise ConfigError("parameter 'ray_address' is empty: give 'local', 'auto', host:port or ray://host:port")
 
 
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """A TCP connection to ``host:port`` (or ``ray://host:port``): Ray itself retries an absent head for minutes."""
+    if address == "auto":
+        return  # RAY_ADDRESS or this machine's running cluster: ray.init finds it or says so at once
+    hostport = address.removeprefix("ray://").rsplit("/", 1)[0]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"parameter 'ray_address' must be 'local', 'auto', host:port or ray://host:port (got {address!r})")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}. Start its head with "
+            "`ray start --head` (see README, 'More than one machine') or check the address"
+        ) from None
+
+
 @contextlib.contextmanager
 def execution(workers: int = 0, ray_address: str | None = None, train_ranks: int = 1) -> Iterator[PrefectRunner]:
     """The runner for these execution parameters; a Ray connection lives as long as the block."""
@@ -61,6 +79,8 @@ def execution(workers: int = 0, ray_address: str | None = None, train_ranks: int
     from prefect_ray import RayTaskRunner
 
     local = ray_address in (None, "local")
+    if not local:
+        check_reachable(ray_address)
     init: dict[str, Any] = {"include_dashboard": False, "runtime_env": {"env_vars": worker_env()}}
     if local:
         init["num_cpus"] = max(workers, train_ranks)
