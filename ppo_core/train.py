@@ -177,6 +177,25 @@ class PPOStep:
             self.model.assign(_dot(self.params[a]))
 
 
+def _shared_trunk(model: PolicyValueModel, tokens: mx.array, group: mx.distributed.Group) -> mx.array:
+    """The whole batch's trunk activations, each rank computing an equal share and all_gather joining them.
+
+    Every rank needs every row (minibatches are reshuffled each epoch), but
+    none has to compute more than its share: the frozen pass then shrinks with
+    the number of ranks, like the rest of training.
+    """
+    n, world = tokens.shape[0], group.size()
+    per = -(-n // world)
+    mine = tokens[group.rank() * per : (group.rank() + 1) * per]
+    part = trunk_activations(model, mine) if mine.shape[0] else None
+    hidden = model.backbone.embed_tokens.weight.shape[1]
+    pad = per - (mine.shape[0] if part is not None else 0)
+    pieces = ([part] if part is not None else []) + ([mx.zeros((pad, tokens.shape[1], hidden))] if pad else [])
+    gathered = mx.distributed.all_gather(mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0], group=group)
+    mx.eval(gathered)
+    return gathered[:n]
+
+
 def ppo_update(
     model: PolicyValueModel,
     data: TrainData,
@@ -197,7 +216,8 @@ def ppo_update(
 
     # The frozen lower layers see the same tokens in every epoch and for both
     # adapters: run them once for the whole batch, then train only the top.
-    trunk_all = trunk_activations(model, make_batch(data.prompt_ids, data.response_ids, model.pad_token_id).tokens)
+    tokens = make_batch(data.prompt_ids, data.response_ids, model.pad_token_id).tokens
+    trunk_all = trunk_activations(model, tokens) if group is None else _shared_trunk(model, tokens, group)
     step = PPOStep(model, settings, optimizers, group)
     metrics: list[dict[str, float]] = []
     for epoch in range(settings.epochs):

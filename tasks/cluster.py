@@ -126,7 +126,9 @@ class RayRankLauncher:
         if not group.wait(timeout_seconds=120):
             remove_placement_group(group)
             raise TrainingError(f"the Ray cluster could not place {ranks} training ranks (one CPU each) within 120s")
-        actor = ray.remote(num_cpus=1, max_restarts=0)(RankActor)
+        # a runtime env of their own: Ray then starts fresh processes for the ranks instead of taking the
+        # idle shard workers, whose loaded models would die with the actors
+        actor = ray.remote(num_cpus=1, max_restarts=0, runtime_env={"env_vars": {**worker_env(), "PPO_ROLE": "rank"}})(RankActor)
         actors = [
             actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)).remote()
             for r in range(ranks)

@@ -9,6 +9,7 @@ byte of the tables. Every process the test starts is stopped.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import signal
@@ -145,8 +146,6 @@ def test_shards_run_on_the_cluster_workers_and_the_tables_are_whole(first_run):
     assert pl.read_parquet(layout.table(1, "eval")).height == cfg.eval_size
     assert layout.checkpoint(1).adapter("policy").is_file() and layout.manifest(1).is_file()
     # the shards ran in at least two worker processes, none of them the flow's own
-    import json
-
     ran_on = {
         p.stem: json.loads(p.read_text())["ran_on"]["pid"] for p in layout.phase_record(1, "rollout").parent.glob("*.json")
     }
@@ -199,3 +198,27 @@ def test_a_worker_killed_mid_shard_is_replaced_and_the_tables_are_unchanged(firs
 
     again = load_config(overrides={**overrides, "run": "cluster"})
     assert _digests(again) == _digests(cfg)  # the retried shard wrote what the first run's did
+
+
+def test_a_training_rank_killed_on_the_cluster_fails_the_flow_and_a_rerun_resumes(ray_cluster, tiny_model_dir, tmp_path, monkeypatch):
+    from ppo_core.config import load_config
+
+    address, auth = ray_cluster
+    overrides = _overrides(tiny_model_dir, tmp_path / "artifacts")
+    cfg = load_config(overrides={**overrides, "run": "cluster"})
+    monkeypatch.setenv("PPO_KILL_AT", "train.step:2")  # passed to the workers and rank actors
+    monkeypatch.setenv("PPO_KILL_RANK", "1")
+    from flows.ppo import ppo
+
+    for k, v in auth.items():
+        monkeypatch.setenv(k, v)
+    state = ppo(run="cluster", iterations=1, overrides=overrides, workers=2, ray_address=address, train_ranks=2,
+                return_state=True)
+    assert state.is_failed()
+    assert "training rank 1 of 2 failed" in str(state.message) + repr(state)
+    assert not cfg.layout.checkpoint(1).dir.exists() and cfg.layout.table(1, "advantages").is_file()
+    monkeypatch.delenv("PPO_KILL_AT")
+    _run_flow(address, auth, monkeypatch, overrides)
+    assert cfg.layout.completed_iterations() == [0, 1]
+    record = json.loads(cfg.layout.phase_record(1, "advantage").read_text())
+    assert record["ran_on"]["pid"] == os.getpid()  # written by the failed flow run, reused by the second

@@ -61,3 +61,15 @@ def test_the_cli_refuses_an_unreachable_cluster_before_prefect_starts(tiny_cfg):
     assert result.exit_code == 2
     assert f"cannot reach the Ray cluster at {address}" in result.output
     assert not cfg.artifact_root.exists()
+
+
+def test_a_node_that_does_not_see_the_artifact_root_says_so(tiny_cfg):
+    from ppo_core import runs
+
+    cfg = tiny_cfg()
+    with pytest.raises(ConfigError, match=rf"node {socket.gethostname()} does not see artifact root {cfg.artifact_root} "
+                                          r"\(no .*run.json\): every node of the cluster must mount"):
+        runs.check_visible(cfg)
+    runs.check_inputs(cfg)
+    runs.pin_config(cfg)
+    runs.check_visible(cfg)  # once the run is pinned where this node sees it
