@@ -216,11 +216,12 @@ def doctor() -> None:
 def serve(
     port: int = typer.Option(4200, help="Prefect server port"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless you mean it)"),
+    ray_workers: int = typer.Option(0, min=0, help="also start a local Ray head with N worker processes"),
 ) -> None:
-    """Start a Prefect server + worker with deployment ppo/iterate; Ctrl-C stops them all."""
+    """Start a Prefect server + worker with deployment ppo/iterate (and a Ray head); Ctrl-C stops them all."""
     from flows.serve import serve as run_serve
 
-    raise typer.Exit(run_serve(host=host, port=port, log=lambda m: typer.echo(m)))
+    raise typer.Exit(run_serve(host=host, port=port, ray_workers=ray_workers, log=lambda m: typer.echo(m)))
 
 
 @app.command()

@@ -1,5 +1,9 @@
 """`ppo serve`: a local Prefect server, the `ppo-process` pool, the `iterate` deployment and a worker.
 
+With ``ray_workers`` > 0 it also starts a local Ray head with that many worker
+processes (token authentication on, a fresh token unless RAY_AUTH_TOKEN is
+set) and hands its address and token to the Prefect worker, so deployment runs
+with ``-p workers=N -p ray_address=auto`` shard their phases on it.
 Everything binds 127.0.0.1 unless asked otherwise, and everything started here
 is stopped on Ctrl-C (or SIGTERM).
 """
@@ -7,9 +11,12 @@ is stopped on Ctrl-C (or SIGTERM).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -42,17 +49,53 @@ def _wait_healthy(api_url: str, server: subprocess.Popen, timeout: float) -> Non
 def _stop(procs: list[subprocess.Popen]) -> None:
     for p in reversed(procs):
         if p.poll() is None:
-            p.send_signal(signal.SIGINT)
+            # `ray start --block` cleans up its node on SIGTERM; Prefect's processes on SIGINT
+            p.send_signal(signal.SIGTERM if "ray" in Path(p.args[0]).name else signal.SIGINT)
     for p in reversed(procs):
         try:
-            p.wait(timeout=20)
+            p.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            p.kill()
+            os.killpg(p.pid, signal.SIGKILL)  # each child leads its own session: its whole group goes
             p.wait()
 
 
-def serve(host: str = "127.0.0.1", port: int = 4200, startup_timeout: float = 180.0, log=print) -> int:
-    """Start server, pool, deployment and worker; block until interrupted; stop them all."""
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_ray_head(workers: int, env: dict[str, str], procs: list[subprocess.Popen], timeout: float) -> dict[str, str]:
+    """A local Ray head with ``workers`` CPUs; returns what a Ray client needs in its environment."""
+    port = _free_port()
+    client_env = {
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": env.get("RAY_AUTH_TOKEN") or secrets.token_hex(32),
+        "RAY_ADDRESS": f"127.0.0.1:{port}",
+    }
+    head = subprocess.Popen(
+        [_bin("ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+         f"--num-cpus={workers}", "--include-dashboard=false", f"--dashboard-port={_free_port()}",
+         f"--ray-client-server-port={_free_port()}", f"--temp-dir={tempfile.mkdtemp(prefix='ppo-ray-')}"],
+        env={**env, **client_env, "RAY_USAGE_STATS_ENABLED": "0"}, start_new_session=True,
+    )  # fmt: skip
+    procs.append(head)
+    deadline = time.monotonic() + timeout
+    while True:
+        if head.poll() is not None:
+            raise RuntimeError(f"the Ray head exited with code {head.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return client_env
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the Ray head did not listen on 127.0.0.1:{port} within {timeout:.0f}s")
+        time.sleep(0.5)
+
+
+def serve(
+    host: str = "127.0.0.1", port: int = 4200, ray_workers: int = 0, startup_timeout: float = 180.0, log=print
+) -> int:
+    """Start server, pool, deployment, worker (and a Ray head); block until interrupted; stop them all."""
     api_url = f"http://{host}:{port}/api"
     env = apply_defaults({**os.environ, "PREFECT_API_URL": api_url})
     procs: list[subprocess.Popen] = []
@@ -74,12 +117,18 @@ def serve(host: str = "127.0.0.1", port: int = 4200, startup_timeout: float = 18
         if POOL not in pools.stdout:
             subprocess.run([_bin("prefect"), "work-pool", "create", POOL, "--type", "process"], env=env, check=True, capture_output=True)
         subprocess.run([_bin("prefect"), "--no-prompt", "deploy", "--all"], env=env, cwd=PROJECT_ROOT, check=True, capture_output=True)
+        worker_env = env
+        if ray_workers:
+            log(f"starting a local Ray head with {ray_workers} worker processes ...")
+            worker_env = {**env, **_start_ray_head(ray_workers, env, procs, startup_timeout)}
         worker = subprocess.Popen(
-            [_bin("prefect"), "worker", "start", "--pool", POOL], env=env, cwd=PROJECT_ROOT, start_new_session=True
+            [_bin("prefect"), "worker", "start", "--pool", POOL], env=worker_env, cwd=PROJECT_ROOT, start_new_session=True
         )
         procs.append(worker)
         log(f"ready: deployment 'ppo/iterate' on pool '{POOL}'. UI: http://{host}:{port}")
         log(f"  PREFECT_API_URL={api_url} prefect deployment run ppo/iterate -p run=<name> -p iterations=N")
+        if ray_workers:
+            log(f"  Ray head on {worker_env['RAY_ADDRESS']}: add -p workers={ray_workers} -p ray_address=auto")
         while not stop["now"] and all(p.poll() is None for p in procs):
             time.sleep(0.5)
         dead = [p for p in procs if p.poll() is not None]
@@ -88,7 +137,7 @@ def serve(host: str = "127.0.0.1", port: int = 4200, startup_timeout: float = 18
             return 1
         return 0
     finally:
-        log("stopping worker and server ...")
+        log("stopping worker, Ray and server ..." if ray_workers else "stopping worker and server ...")
         _stop(procs)
         for s, h in old.items():
             signal.signal(s, h)

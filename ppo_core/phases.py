@@ -517,6 +517,8 @@ def _evaluate_rows(cfg: PPOConfig, iteration: int, shard: Shard, checkpoint: Che
 
     all_prompts = load_prompts(cfg.eval_prompts_path).head(cfg.eval_size)
     rows = shard.rows(all_prompts.height)
+    if not len(rows):  # more shards than held-out prompts: this one has none
+        return SCHEMAS["eval"].empty_table()
     prompts = all_prompts[rows]
     model = model_for(cfg, checkpoint, (POLICY,))
     prompt_ids = render_prompts(model, prompts["prompt"].to_list())

@@ -7,8 +7,8 @@ parent watches every rank, and when one fails or time runs out it kills them
 all and raises ``TrainingError``. The checkpoint is written by rank 0 only
 after the last step, through atomic renames, so a failed launch never
 advances it. ``tasks.cluster`` starts the same ranks as Ray actors on a
-cluster. A rank process runs ``python -m ppo_core.ranks <job.json>`` with
-``MLX_RANK`` and ``MLX_HOSTFILE`` set.
+cluster, kept for the whole flow run. A local rank process runs
+``python -m ppo_core.ranks <job.json>`` with ``MLX_RANK`` and ``MLX_HOSTFILE`` set.
 """
 
 from __future__ import annotations
@@ -110,14 +110,18 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "(no output)"
 
 
-def run_rank(job: TrainJob) -> None:
-    """This process's rank of ``job``: join the ring group named by the environment, then train."""
+def join_group():
+    """The ring group named by this process's MLX_RANK and MLX_HOSTFILE (once per process: MLX keeps it)."""
     import mlx.core as mx
 
+    return mx.distributed.init(strict=True, backend="ring")
+
+
+def run_rank(job: TrainJob) -> None:
+    """This process's rank of ``job``: join the ring group named by the environment, then train."""
     from ppo_core.phases import train_job
 
-    group = mx.distributed.init(strict=True, backend="ring")
-    train_job(job, group)
+    train_job(job, join_group())
 
 
 def main(argv: list[str]) -> int:

@@ -82,8 +82,11 @@ def execution(workers: int = 0, ray_address: str | None = None, train_ranks: int
     if not local:
         check_reachable(ray_address)
     init: dict[str, Any] = {"include_dashboard": False, "runtime_env": {"env_vars": worker_env()}}
-    if local:
-        init["num_cpus"] = max(workers, train_ranks)
+    if local:  # "local" starts a new instance even where RAY_ADDRESS names a running one
+        init.update(address="local", num_cpus=max(workers, train_ranks))
+        # rank actors are processes beyond the CPU count: without this Ray kills the idle shard
+        # workers (and their loaded models) while the ranks train
+        init["_system_config"] = {"num_workers_soft_limit": max(workers, train_ranks) + train_ranks}
     else:
         init["address"] = ray_address
     try:
@@ -94,53 +97,69 @@ def execution(workers: int = 0, ray_address: str | None = None, train_ranks: int
             f"cannot start or reach {where}: {exc}. Is the head running (`ray start --head`), and are "
             "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN set as on the cluster?"
         ) from None
+    launcher = RayRankLauncher() if train_ranks > 1 else None
     try:
         shards = workers or int(ray.cluster_resources().get("CPU", 1))
-        launcher = RayRankLauncher() if train_ranks > 1 else None
         yield PrefectRunner(
             shards=shards, train_ranks=train_ranks, launch_ranks=launcher, task_runner=task_runner,
             remote_options={"max_retries": SHARD_RETRIES, "retry_exceptions": False},
         )
     finally:
+        if launcher is not None:
+            launcher.close()
         task_runner.__exit__(None, None, None)
 
 
 class RayRankLauncher:
-    """Runs a training job on N ``mx.distributed`` ranks as Ray actors, spread over the cluster's nodes.
+    """Runs training jobs on N ``mx.distributed`` ranks kept as Ray actors for the whole flow run.
 
-    Actors rather than ``mlx.launch``: Ray places them (one CPU each, on
-    different nodes where it can), tells each its node's address for the ring
-    hostfile, and kills them all when one fails or the deadline passes (MLX's
-    collectives have no timeout). Each launch uses new actors: a ring group
-    cannot be re-formed in a process once made.
+    Actors rather than ``mlx.launch``: Ray places them (spread over the nodes
+    where it can) and tells each its node's address for the ring hostfile. The
+    ranks join their ring group once and keep it and their loaded model from one
+    iteration to the next; they hold no CPU reservation between trainings, so
+    the shard tasks of the next phases still get every worker. When a rank
+    fails or the deadline passes (MLX's collectives have no timeout), every
+    rank is killed and the next training starts new ones: a ring group cannot
+    be re-formed in a process once made.
     """
+
+    def __init__(self) -> None:
+        self._actors: list = []
 
     def __call__(self, job: TrainJob, ranks: int) -> None:
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from ppo_core.ranks import rank_timeout
 
-        group = placement_group([{"CPU": 1}] * ranks, strategy="SPREAD")
-        if not group.wait(timeout_seconds=120):
-            remove_placement_group(group)
-            raise TrainingError(f"the Ray cluster could not place {ranks} training ranks (one CPU each) within 120s")
-        # a runtime env of their own: Ray then starts fresh processes for the ranks instead of taking the
-        # idle shard workers, whose loaded models would die with the actors
-        actor = ray.remote(num_cpus=1, max_restarts=0, runtime_env={"env_vars": {**worker_env(), "PPO_ROLE": "rank"}})(RankActor)
-        actors = [
-            actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)).remote()
-            for r in range(ranks)
-        ]
+        if len(self._actors) != ranks:
+            self._start(ranks)
         try:
-            hosts = ray.get([a.address.remote() for a in actors], timeout=120)
-            refs = [a.run.remote(r, hosts, job.to_json()) for r, a in enumerate(actors)]
-            _wait_ranks(ray, refs, rank_timeout())
-        finally:
-            for a in actors:
-                ray.kill(a)
-            remove_placement_group(group)
+            _wait_ranks(ray, [a.run.remote(job.to_json()) for a in self._actors], rank_timeout())
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, ranks: int) -> None:
+        import ray
+
+        self.close()
+        # a runtime env of their own: Ray starts fresh processes for the ranks instead of taking the idle
+        # shard workers (whose loaded models would die with the actors); num_cpus=0 keeps every CPU for shards
+        actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env={"env_vars": {**worker_env(), "PPO_ROLE": "rank"}})(RankActor)
+        self._actors = [actor.options(scheduling_strategy="SPREAD").remote() for _ in range(ranks)]
+        try:
+            hosts = ray.get([a.address.remote() for a in self._actors], timeout=120)
+            _wait_ranks(ray, [a.join.remote(r, hosts) for r, a in enumerate(self._actors)], 120)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        import ray
+
+        for a in self._actors:
+            ray.kill(a)
+        self._actors = []
 
 
 def _wait_ranks(ray, refs: list, timeout: float) -> None:
@@ -173,11 +192,17 @@ class RankActor:
         ip = ray.util.get_node_ip_address()
         return f"{ip}:{free_port(ip)}"
 
-    def run(self, rank: int, hosts: list[str], job: dict[str, Any]) -> None:
+    def join(self, rank: int, hosts: list[str]) -> None:
+        """Join the ring group of ``hosts`` as ``rank`` (all ranks must call this together)."""
         from ppo_core import ranks
 
         directory = Path(tempfile.mkdtemp(prefix="ppo-rank-"))
         os.environ["MLX_RANK"] = str(rank)
         os.environ["MLX_HOSTFILE"] = str(ranks.write_hostfile(hosts, directory))
-        ranks.run_rank(TrainJob(**job))
+        self.group = ranks.join_group()
+
+    def run(self, job: dict[str, Any]) -> None:
+        from ppo_core.phases import train_job
+
+        train_job(TrainJob(**job), self.group)
 

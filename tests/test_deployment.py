@@ -44,7 +44,8 @@ def served(tmp_path):
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
     env.pop("PPO_KILL_AT", None)
     proc = subprocess.Popen(
-        [str(BIN / "ppo"), "serve", "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [str(BIN / "ppo"), "serve", "--port", str(port), "--ray-workers", "2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     lines = []
     deadline = time.monotonic() + 300
@@ -92,8 +93,16 @@ def test_deployment_iterates_and_resumes(served, tiny_cfg):
     assert cfg.layout.completed_iterations() == [0, 1, 2]
     assert all(p.stat().st_mtime_ns == t for p, t in records.items()), "iteration 1 was recomputed"
     assert cfg.layout.phase_record(2, "rollout.part-1-of-2").is_file()  # iteration 2 ran sharded
+
+    # and one on the Ray head `ppo serve --ray-workers 2` started: `-p workers=2 -p ray_address=auto`
+    third = _deployment_run(served, {"run": "deployed", "iterations": 1, "overrides": overrides, "workers": 2,
+                                     "ray_address": "auto"})
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert cfg.layout.completed_iterations() == [0, 1, 2, 3]
+    shard_pids = {json.loads(cfg.layout.phase_record(3, f"rollout.part-{i}-of-2").read_text())["ran_on"]["pid"] for i in (0, 1)}
+    assert len(shard_pids) == 2
     history = track.run_metrics(PPOConfig(**cfg.to_json_dict()))
-    assert [s for s, _ in history["reward/score"]] == [1, 2]
+    assert [s for s, _ in history["reward/score"]] == [1, 2, 3]
 
     # a bad parameter fails the flow run with the reason, before anything is written
     bad = _deployment_run(served, {"run": "../escape", "iterations": 1, "overrides": overrides})

@@ -98,3 +98,12 @@ def test_a_merge_lost_before_it_finished_reuses_every_finished_shard(whole_and_s
     assert calls.count("attribute:computed") == 1  # the merge: the only work redone
     assert [c for c in calls if c.startswith("attribute.part")] == [f"attribute.part-{i}-of-3:cached" for i in range(3)]
     assert _digest(sharded) == before
+
+
+def test_more_shards_than_held_out_prompts(tiny_cfg, tmp_path):
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text('{"prompt_id": "e0", "prompt": "Hi"}\n{"prompt_id": "e1", "prompt": "Tell me a joke."}\n')
+    cfg = tiny_cfg(eval_prompts_path=prompts, eval_size=32)
+    result = pipeline.start(cfg, Runner(shards=3))[1]
+    assert result["phase"] == "evaluate"
+    assert pl.read_parquet(result["outputs"]["eval"])["prompt_id"].to_list() == ["e0", "e1"]
