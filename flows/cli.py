@@ -34,8 +34,8 @@ def train(
 
     try:
         overrides = dict(parse_override(s) for s in set_)
-        load_config(config, {**overrides, "run": run})  # fail fast, before Prefect or a model starts
-        check_execution(workers, ray_address, train_ranks)
+        cfg = load_config(config, {**overrides, "run": run})  # fail fast, before Prefect or a model starts
+        check_execution(workers, ray_address, train_ranks, cfg)
         if ray_address not in (None, "local"):
             check_reachable(ray_address)
     except ConfigError as exc:

@@ -41,6 +41,6 @@ def ppo(
     if iterations < 1:
         raise ValueError(f"parameter 'iterations' must be >= 1 (got {iterations})")
     cfg = load_config(config, {**(overrides or {}), "run": run})
-    check_execution(workers, ray_address, train_ranks)
+    check_execution(workers, ray_address, train_ranks, cfg)
     with execution(workers, ray_address, train_ranks) as runner:
         return pipeline.run_tracked(cfg, iterations, runner, get_run_logger().info)

@@ -27,7 +27,9 @@ from ppo_core.config import ConfigError, PPOConfig
 from ppo_core.phases import TrainJob
 from ppo_core.train import TrainingError
 
-RANK_TIMEOUT_ENV = "PPO_RANK_TIMEOUT"  # seconds a launch of ranks may take (default 3600)
+# Seconds one training launch may take before its ranks are killed. A rank that dies ends the launch at once
+# (its peers' collectives fail); this bounds only a rank stuck alive, which would block the others forever.
+RANK_TIMEOUT_ENV = "PPO_RANK_TIMEOUT"
 
 
 def check_ranks(cfg: PPOConfig, ranks: int) -> None:
@@ -54,7 +56,7 @@ def write_hostfile(hosts: list[str], directory: Path) -> Path:
 
 
 def rank_timeout() -> float:
-    return float(os.environ.get(RANK_TIMEOUT_ENV, "3600"))
+    return float(os.environ.get(RANK_TIMEOUT_ENV, str(24 * 3600)))
 
 
 def launch_local(job: TrainJob, ranks: int, timeout: float | None = None) -> None:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from ppo_core.config import ConfigError
+from ppo_core.config import ConfigError, PPOConfig
 from ppo_core.phases import TrainJob
 from ppo_core.train import TrainingError
 from tasks.phases import PrefectRunner
@@ -41,14 +41,18 @@ def worker_env() -> dict[str, str]:
     return {**WORKER_ENV, **{k: os.environ[k] for k in PASSED_TO_WORKERS if k in os.environ}}
 
 
-def check_execution(workers: int, ray_address: str | None, train_ranks: int) -> None:
-    """Parameter errors, before anything starts."""
+def check_execution(workers: int, ray_address: str | None, train_ranks: int, cfg: PPOConfig | None = None) -> None:
+    """Parameter errors, before anything starts (with ``cfg``: also more ranks than its minibatches allow)."""
     if workers < 0:
         raise ConfigError(f"parameter 'workers' must be >= 0 (got {workers})")
     if train_ranks < 1:
         raise ConfigError(f"parameter 'train_ranks' must be >= 1 (got {train_ranks})")
     if ray_address is not None and not ray_address.strip():
         raise ConfigError("parameter 'ray_address' is empty: give 'local', 'auto', host:port or ray://host:port")
+    if cfg is not None and train_ranks > 1:
+        from ppo_core.ranks import check_ranks
+
+        check_ranks(cfg, train_ranks)
 
 
 def check_reachable(address: str, timeout: float = 5.0) -> None:
@@ -105,9 +109,11 @@ def execution(workers: int = 0, ray_address: str | None = None, train_ranks: int
             remote_options={"max_retries": SHARD_RETRIES, "retry_exceptions": False},
         )
     finally:
-        if launcher is not None:
-            launcher.close()
-        task_runner.__exit__(None, None, None)
+        try:
+            if launcher is not None:
+                launcher.close()
+        finally:  # even when killing the ranks failed (a lost connection), Ray is shut down
+            task_runner.__exit__(None, None, None)
 
 
 class RayRankLauncher:
@@ -136,7 +142,7 @@ class RayRankLauncher:
         try:
             _wait_ranks(ray, [a.run.remote(job.to_json()) for a in self._actors], rank_timeout())
         except BaseException:
-            self.close()
+            self.close()  # never raises: the training error is the one to report
             raise
 
     def _start(self, ranks: int) -> None:
@@ -147,18 +153,25 @@ class RayRankLauncher:
         # shard workers (whose loaded models would die with the actors); num_cpus=0 keeps every CPU for shards
         actor = ray.remote(num_cpus=0, max_restarts=0, runtime_env={"env_vars": {**worker_env(), "PPO_ROLE": "rank"}})(RankActor)
         self._actors = [actor.options(scheduling_strategy="SPREAD").remote() for _ in range(ranks)]
+        hosts: list[str] = []
         try:
             hosts = ray.get([a.address.remote() for a in self._actors], timeout=120)
             _wait_ranks(ray, [a.join.remote(r, hosts) for r, a in enumerate(self._actors)], 120)
-        except BaseException:
+        except BaseException as exc:
             self.close()
-            raise
+            raise TrainingError(
+                f"{ranks} training ranks could not form their ring group ({', '.join(hosts) or 'no addresses'}): "
+                f"{exc}. Each rank listens on a random TCP port of its node: the nodes must reach each other's ports"
+            ) from None
 
     def close(self) -> None:
         import ray
 
         for a in self._actors:
-            ray.kill(a)
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001  (a dead actor or a lost connection: nothing left to stop)
+                pass
         self._actors = []
 
 
@@ -202,7 +215,10 @@ class RankActor:
         self.group = ranks.join_group()
 
     def run(self, job: dict[str, Any]) -> None:
+        from ppo_core import runs
+        from ppo_core.config import PPOConfig
         from ppo_core.phases import train_job
 
+        runs.check_visible(PPOConfig(**job["cfg"]))  # rank 0 must write the checkpoint where the flow reads it
         train_job(TrainJob(**job), self.group)
 

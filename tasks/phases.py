@@ -49,6 +49,8 @@ def _task_run_name(name: str) -> Callable[[], str]:
         args = params.get("args") or ()
         shard = (params.get("kwargs") or {}).get("shard")
         iteration = args[0] if args and isinstance(args[0], int) else 0
+        if name == "merge" and len(args) > 1:  # merge(iteration, phase, parts, ...): one per data phase
+            return f"merge-{args[1]}-{iteration}"
         return f"{name}-{iteration}" + (f"-{shard.label}" if shard is not None and not shard.whole else "")
 
     return make
@@ -106,4 +108,14 @@ class PrefectRunner(Runner):
 
         with remote_options(**(self.remote_options or {})):
             futures = [self.task_runner.submit(PHASE_TASKS[fn], self._parameters(cfg, a, k)) for a, k in calls]
-        return [_data(f.result()) for f in futures]
+        results = []
+        for (args, kwargs), future in zip(calls, futures):
+            try:
+                results.append(_data(future.result()))
+            except Exception as exc:
+                shard = kwargs.get("shard")
+                raise RuntimeError(
+                    f"{fn.__name__} of iteration {args[0]}, {shard.label if shard else 'a shard'}, failed on the Ray "
+                    f"cluster ({type(exc).__name__}: {str(exc)[-1000:]}); finished shards are kept, re-run to resume"
+                ) from exc
+        return results

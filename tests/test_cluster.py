@@ -166,7 +166,7 @@ def test_every_shard_is_a_prefect_task_run(first_run):
     for phase in ("rollout", "attribute", "value", "evaluate"):
         for part in (0, 1):
             assert names.get(f"{phase}-1-part-{part}-of-2") == "COMPLETED", sorted(names)
-        assert names.get("merge-1") == "COMPLETED"
+        assert names.get(f"merge-{phase}-1") == "COMPLETED"
     assert names.get("train-1") == "COMPLETED" and names.get("evaluate-0-part-0-of-2") == "COMPLETED"
 
 

@@ -73,3 +73,10 @@ def test_a_node_that_does_not_see_the_artifact_root_says_so(tiny_cfg):
     runs.check_inputs(cfg)
     runs.pin_config(cfg)
     runs.check_visible(cfg)  # once the run is pinned where this node sees it
+
+
+def test_too_many_training_ranks_are_refused_before_the_flow_starts(tiny_cfg):
+    cfg = tiny_cfg(batch_size=6, num_minibatches=2)
+    with pytest.raises(ConfigError, match="train_ranks=4 is more than the 3 rollouts of the smallest minibatch"):
+        check_execution(2, None, 4, cfg)
+    check_execution(2, None, 3, cfg)
