@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -215,7 +216,8 @@ def test_a_training_rank_killed_on_the_cluster_fails_the_flow_and_a_rerun_resume
     state = ppo(run="cluster", iterations=1, overrides=overrides, workers=2, ray_address=address, train_ranks=2,
                 return_state=True)
     assert state.is_failed()
-    assert "training rank 1 of 2 failed" in str(state.message) + repr(state)
+    # the killed rank, or its peer whose collective lost the connection first
+    assert re.search(r"training rank [01] of 2 failed", str(state.message) + repr(state)), state
     assert not cfg.layout.checkpoint(1).dir.exists() and cfg.layout.table(1, "advantages").is_file()
     monkeypatch.delenv("PPO_KILL_AT")
     _run_flow(address, auth, monkeypatch, overrides)
