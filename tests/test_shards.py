@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import numpy as np
 import polars as pl
@@ -94,8 +95,11 @@ def test_a_merge_lost_before_it_finished_reuses_every_finished_shard(whole_and_s
             calls.append(f"{result['phase']}:{'cached' if result['cached'] else 'computed'}")
             return result
 
-    pipeline.run_iteration(sharded, 2, Recording(shards=3))
+    results = pipeline.run_iteration(sharded, 2, Recording(shards=3))
     assert calls.count("attribute:computed") == 1  # the merge: the only work redone
+    slowest = max(json.loads(sharded.layout.phase_record(2, f"attribute.part-{i}-of-3").read_text())["seconds"]
+                  for i in range(3))
+    assert results[1]["seconds"] >= slowest  # the phase's time counts the reused shards' own
     assert [c for c in calls if c.startswith("attribute.part")] == [f"attribute.part-{i}-of-3:cached" for i in range(3)]
     assert _digest(sharded) == before
 
