@@ -17,7 +17,7 @@ from prefect import flow, get_run_logger
 
 from ppo_core import pipeline
 from ppo_core.config import load_config
-from tasks.cluster import check_execution, execution
+from tasks.cluster import execution
 
 
 @flow(name="ppo", log_prints=True, validate_parameters=True, persist_result=False)
@@ -41,6 +41,5 @@ def ppo(
     if iterations < 1:
         raise ValueError(f"parameter 'iterations' must be >= 1 (got {iterations})")
     cfg = load_config(config, {**(overrides or {}), "run": run})
-    check_execution(workers, ray_address, train_ranks, cfg)
-    with execution(workers, ray_address, train_ranks) as runner:
+    with execution(workers, ray_address, train_ranks, cfg) as runner:
         return pipeline.run_tracked(cfg, iterations, runner, get_run_logger().info)

@@ -73,9 +73,12 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
 
 
 @contextlib.contextmanager
-def execution(workers: int = 0, ray_address: str | None = None, train_ranks: int = 1) -> Iterator[PrefectRunner]:
-    """The runner for these execution parameters; a Ray connection lives as long as the block."""
-    check_execution(workers, ray_address, train_ranks)
+def execution(
+    workers: int = 0, ray_address: str | None = None, train_ranks: int = 1, cfg: PPOConfig | None = None
+) -> Iterator[PrefectRunner]:
+    """The runner for these execution parameters (checked first, against ``cfg`` when given); a Ray connection
+    lives as long as the block."""
+    check_execution(workers, ray_address, train_ranks, cfg)
     if not workers and ray_address is None:
         yield PrefectRunner(train_ranks=train_ranks)
         return
