@@ -1,9 +1,25 @@
-"""GAE, returns and whitening, vectorised over a ragged batch.
+"""Advantage estimators, vectorised over a ragged batch: GAE and the critic-free ones.
 
 Rows arrive rollout-major (all tokens of rollout 0, then rollout 1, ...). They
 are scattered into a zero-padded (B, T) grid; because padding rewards and
 values are zero, the backward recursion A_t = delta_t + gamma*lam*A_{t+1} is a
 linear filter along the reversed time axis and runs as one scipy call.
+
+Every estimator fills the same four columns, so the advantages table keeps one
+schema: ``advantage`` is the estimator's own, ``whitened`` what the policy
+loss uses (batch-whitened where the estimator calls for it), ``returns`` the
+value model's target (the discounted return where there is no value model)
+and ``td_error`` r_t + gamma*V_{t+1} - V_t (with V = 0 without a value model).
+
+The critic-free estimators score whole responses. A response's outcome is its
+total shaped reward R_i = score_i - kl_coef * sum_t KL_t (as in TRL's RLOO), so
+the KL penalty acts through the advantage as it does in PPO. Rollouts are
+grouped by prompt: rollout r is sample r mod k of the batch's prompt r // k.
+- grpo (Shao et al. 2024): A_i = (R_i - mean_g R) / (std_g R + 1e-4), std with ddof 1 as in TRL
+- dr_grpo (Liu et al. 2025): A_i = R_i - mean_g R, no division by the std
+- rloo (Ahmadian et al. 2024): A_i = R_i - mean of the group's other k-1 returns
+- reinforce_pp (Hu 2025): A_t = the discounted per-token return, whitened over the batch
+Each response's advantage is given to every one of its tokens.
 """
 
 from __future__ import annotations
@@ -51,6 +67,47 @@ def gae(
     returns = adv_flat + values
     whitened = whiten_array(adv_flat) if whiten else adv_flat.copy()
     return AdvantageResult(delta[mask], adv_flat, whitened, returns)
+
+
+GROUP_STD_EPS = 1e-4
+
+
+def sequence_returns(rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """R_i: the sum of each rollout's per-token rewards (score at the last token plus the KL penalties)."""
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return np.add.reduceat(rewards, starts) if rewards.size else np.zeros(len(lengths))
+
+
+def group_advantages(returns: np.ndarray, group_size: int, estimator: str) -> np.ndarray:
+    """Per-rollout advantage of grpo, dr_grpo or rloo; rollouts come in consecutive groups of ``group_size``."""
+    if returns.size % group_size:
+        raise ValueError(f"{returns.size} rollouts do not split into groups of {group_size}")
+    grid = returns.reshape(-1, group_size)
+    mean = grid.mean(axis=1, keepdims=True)
+    if estimator == "grpo":
+        out = (grid - mean) / (grid.std(axis=1, ddof=1, keepdims=True) + GROUP_STD_EPS)
+    elif estimator == "dr_grpo":
+        out = grid - mean
+    elif estimator == "rloo":
+        out = grid - (grid.sum(axis=1, keepdims=True) - grid) / (group_size - 1)
+    else:
+        raise ValueError(f"unknown group estimator {estimator!r}")
+    return out.reshape(-1)
+
+
+def critic_free(
+    estimator: str, rewards: np.ndarray, lengths: np.ndarray, group_size: int, gamma: float, whiten: bool
+) -> AdvantageResult:
+    """grpo, dr_grpo, rloo or reinforce_pp over flat rollout-major per-token rewards."""
+    lengths = np.asarray(lengths)
+    r, mask = to_grid(rewards, lengths)
+    token_returns = discounted_cumsum_reversed(r, gamma)[mask]
+    if estimator == "reinforce_pp":
+        return AdvantageResult(rewards.copy(), token_returns, whiten_array(token_returns), token_returns)
+    per_rollout = group_advantages(sequence_returns(rewards, lengths), group_size, estimator)
+    adv = np.repeat(per_rollout, lengths)
+    used = whiten_array(adv) if whiten and estimator == "rloo" else adv.copy()
+    return AdvantageResult(rewards.copy(), adv, used, token_returns)
 
 
 def whiten_array(x: np.ndarray, eps: float = 1e-8) -> np.ndarray:

@@ -22,6 +22,9 @@ DEFAULT_MODEL = "smollm2"
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # baselines from the other responses to the same prompt
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
@@ -65,23 +68,46 @@ class PPOConfig(BaseModel):
     batch_size: int = Field(32, ge=1, le=4096, description="prompts sampled per iteration")
     max_new_tokens: int = Field(40, ge=1, le=2048)
     temperature: float = Field(1.0, gt=0.0, le=10.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0,
+        description="must be 1: PPO's logprobs, ratios and KL are those of the full tempered distribution, "
+        "so sampling from a nucleus would make every update off-policy",
+    )
+    samples_per_prompt: int = Field(
+        1, ge=1, le=256,
+        description="responses sampled per chosen prompt (rollouts = batch_size x samples_per_prompt); "
+        "grpo, dr_grpo and rloo compare the responses to one prompt, so need at least 2",
+    )
     score_batch_size: int = Field(16, ge=1, le=1024, description="sequences per scoring forward pass")
 
     # --- reward ---
-    reward: str = Field("vader", description="'vader', 'length', 'keyword:<word>[,<word>...]' or 'model:<path>'")
+    reward: str = Field(
+        "vader",
+        description="'vader', 'length', 'keyword:<word>[,<word>...]', 'model:<path>' (a learned reward model) or "
+        "'python:<module or file.py>:<function>' (your own batched function, see ppo_core.user_reward)",
+    )
     reward_norm: Literal["none", "batch", "train"] = Field(
         "none", description="learned reward models: raw score, z-score per batch, or z-score by training-set stats"
     )
     kl_coef: float = Field(0.05, ge=0.0, le=10.0)
     adaptive_kl: bool = False
-    kl_target: float = Field(4.0, gt=0.0, le=1000.0, description="target mean per-rollout KL (adaptive_kl)")
-    kl_horizon: int = Field(10000, ge=1, le=10**9)
+    kl_target: float = Field(4.0, gt=0.0, le=1000.0, description="target mean KL per rollout, in nats (adaptive_kl)")
+    kl_horizon: int = Field(
+        10000, ge=1, le=10**9,
+        description="adaptive_kl, counted in rollouts: each iteration of n rollouts multiplies kl_coef by "
+        "1 + clip(KL/kl_target - 1, -0.2, 0.2) x n / kl_horizon (Ziegler et al. 2019)",
+    )
     missing_eos_penalty: float = Field(-0.2, ge=-100.0, le=0.0, description="added to the score of responses cut at max_new_tokens")
     length_min: int = Field(8, ge=0, le=2048, description="'length' reward: shortest full-score response (tokens)")
     length_max: int = Field(24, ge=1, le=2048, description="'length' reward: longest full-score response (tokens)")
 
     # --- advantage ---
+    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"] = Field(
+        "gae",
+        description="gae: value model + GAE (PPO); grpo: score normalised within each prompt's group; dr_grpo: "
+        "the same without the std division; rloo: leave-one-out baseline; reinforce_pp: batch-whitened "
+        "per-token return (REINFORCE++). All but gae train no value model and skip the value phase",
+    )
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
     whiten_advantages: bool = True
@@ -89,8 +115,20 @@ class PPOConfig(BaseModel):
     # --- train ---
     ppo_epochs: int = Field(4, ge=1, le=100)
     num_minibatches: int = Field(2, ge=1, le=1024)
-    policy_lr: float = Field(1e-4, gt=0.0, le=1.0)
-    value_lr: float = Field(1e-3, gt=0.0, le=1.0)
+    policy_lr: float = Field(5e-4, gt=0.0, le=1.0, description="peak learning rate of the policy's Adam (bias-corrected)")
+    value_lr: float = Field(5e-3, gt=0.0, le=1.0, description="peak learning rate of the value model's Adam (bias-corrected)")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after warm-up: hold the peak, or decay it linearly / on a cosine to lr_min_ratio x peak"
+    )
+    lr_warmup_steps: int = Field(0, ge=0, le=10**7, description="optimiser steps of linear warm-up from 0 to the peak")
+    lr_decay_iterations: int = Field(
+        100, ge=1, le=10**6,
+        description="linear/cosine: iterations over which the rate decays after warm-up; it then stays at the floor",
+    )
+    lr_min_ratio: float = Field(0.1, ge=0.0, le=1.0, description="linear/cosine: the floor, as a fraction of the peak")
+    value_warmup_iterations: int = Field(
+        0, ge=0, le=10**6, description="train only the value model in the first N iterations (the policy stays put)"
+    )
     clip_range: float = Field(0.2, gt=0.0, le=10.0)
     value_clip_range: float = Field(0.2, gt=0.0, le=1000.0)
     entropy_coef: float = Field(0.0, ge=0.0, le=1.0)
@@ -127,7 +165,24 @@ class PPOConfig(BaseModel):
     def _reward_spec(cls, v: str) -> str:
         if v in ("vader", "length") or re.match(r"^keyword:\w[\w,]*$", v) or v.startswith("model:"):
             return v
-        raise ValueError("must be 'vader', 'length', 'keyword:<word>[,<word>...]' or 'model:<path>'")
+        if v.startswith("python:"):
+            from ppo_core.user_reward import normalize_spec
+
+            return normalize_spec(v)
+        raise ValueError(
+            "must be 'vader', 'length', 'keyword:<word>[,<word>...]', 'model:<path>' or 'python:<module or file.py>:<function>'"
+        )
+
+    @field_validator("top_p")
+    @classmethod
+    def _full_distribution(cls, v: float) -> float:
+        if v < 1.0:
+            raise ValueError(
+                "top_p < 1 is refused: the nucleus filter would make the sampled tokens come from a different "
+                "distribution than the one PPO scores, ratios and KL are computed under (off-policy, with a biased "
+                "KL); lower the temperature instead"
+            )
+        return v
 
     @field_validator("lora_targets")
     @classmethod
@@ -140,9 +195,20 @@ class PPOConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> PPOConfig:
-        if self.num_minibatches > self.batch_size:
+        if self.num_minibatches > self.rollouts_per_iteration:
             raise ValueError(
-                f"num_minibatches ({self.num_minibatches}) must be <= batch_size ({self.batch_size})"
+                f"num_minibatches ({self.num_minibatches}) must be <= the rollouts per iteration "
+                f"(batch_size x samples_per_prompt = {self.rollouts_per_iteration})"
+            )
+        if self.advantage_estimator in GROUP_ESTIMATORS and self.samples_per_prompt < 2:
+            raise ValueError(
+                f"advantage_estimator '{self.advantage_estimator}' compares the responses to one prompt: "
+                f"samples_per_prompt must be >= 2 (got {self.samples_per_prompt})"
+            )
+        if self.value_warmup_iterations and not self.uses_critic:
+            raise ValueError(
+                f"value_warmup_iterations ({self.value_warmup_iterations}) needs a value model, but "
+                f"advantage_estimator '{self.advantage_estimator}' trains none; use 'gae' or set it to 0"
             )
         if self.length_min > self.length_max:
             raise ValueError(f"length_min ({self.length_min}) must be <= length_max ({self.length_max})")
@@ -150,9 +216,32 @@ class PPOConfig(BaseModel):
 
     # --- derived ---
     @property
+    def rollouts_per_iteration(self) -> int:
+        return self.batch_size * self.samples_per_prompt
+
+    @property
+    def uses_critic(self) -> bool:
+        """Only GAE needs a value model: the critic-free estimators skip the value phase and loss."""
+        return self.advantage_estimator == "gae"
+
+    @property
+    def steps_per_iteration(self) -> int:
+        """Optimiser steps per adapter per iteration."""
+        return self.ppo_epochs * self.num_minibatches
+
+    @property
     def layout(self) -> RunLayout:
         """Where this run's files live (``ppo_core.layout``)."""
         return RunLayout(self.artifact_root, self.run)
+
+    @property
+    def reward_source_file(self) -> Path | None:
+        """The user's reward function's source file for ``reward=python:...``, else None."""
+        if not self.reward.startswith("python:"):
+            return None
+        from ppo_core.user_reward import source_file
+
+        return source_file(self.reward)
 
     @property
     def reward_model_file(self) -> Path | None:

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ppo_core.advantage import gae
+from ppo_core.advantage import critic_free, gae
 from ppo_core.config import PPOConfig
 from ppo_core.layout import Checkpoint
 from ppo_core.models import PPO_ADAPTERS, POLICY, VALUE, PolicyValueModel, load_policy_value_model
@@ -39,14 +39,17 @@ from ppo_core.phase_records import Compute, PhaseResult, lookup, run_phase
 from ppo_core.prompts import check_prompt_lengths, load_prompts
 from ppo_core.rewards import adaptive_kl_coef, make_reward, score_responses, shape_rewards
 from ppo_core.tables import SCHEMAS, read_table, write_table
-from ppo_core.train import TrainData, TrainSettings, load_optimizer, make_optimizer, ppo_update, save_optimizer
+from ppo_core.tables import METRICS
+from ppo_core.train import TrainData, TrainSettings, load_optimizer, make_optimizers, ppo_update, save_optimizer
 
 # The phases of one iteration, in the order ``ppo_core.pipeline`` runs them;
 # "init" runs once per run and writes iteration 0's checkpoint.
 ITERATION_PHASES = ("rollout", "attribute", "reward", "value", "advantage", "train", "evaluate")
 # Bump a phase's version when its code changes what it writes: old caches then miss.
 # rollout and evaluate 2: sampling keyed per rollout id (shard-invariant), not per batch.
-PHASE_VERSION = {"init": 1, "rollout": 2, "attribute": 1, "reward": 1, "value": 1, "advantage": 1, "train": 1, "evaluate": 2}
+# reward 2: length without EOS, adaptive KL per rollout, learned rewards score the generated tokens.
+# train 2: bias-corrected Adam. evaluate 3: token ids stored and scored.
+PHASE_VERSION = {"init": 1, "rollout": 2, "attribute": 1, "reward": 2, "value": 1, "advantage": 2, "train": 2, "evaluate": 3}
 
 
 def _run(
@@ -185,8 +188,26 @@ def reward_function(cfg: PPOConfig):
 
 
 def _reward_inputs(cfg: PPOConfig) -> dict[str, Path]:
-    """A learned reward model is an input of every phase that scores: its bytes are in the cache key."""
-    return {"reward_model": cfg.reward_model_file} if cfg.reward_model_file is not None else {}
+    """A learned reward model or the user's reward code is an input of every phase that scores: its bytes are in the cache key."""
+    if cfg.reward_model_file is not None:
+        return {"reward_model": cfg.reward_model_file}
+    if cfg.reward_source_file is not None:
+        return {"reward_code": cfg.reward_source_file}
+    return {}
+
+
+def _n_tokens_without_eos(lengths: np.ndarray, finish_reasons: list[str]) -> np.ndarray:
+    """What the user calls a response's length: the EOS token the policy emitted is not a word of it."""
+    return lengths - (np.asarray(finish_reasons) == "eos")
+
+
+def trained_adapters(cfg: PPOConfig, iteration: int) -> tuple[str, ...]:
+    """What iteration ``iteration`` trains: the value model alone during value warm-up, no value model without GAE."""
+    if not cfg.uses_critic:
+        return (POLICY,)
+    if iteration <= cfg.value_warmup_iterations:
+        return (VALUE,)
+    return (POLICY, VALUE)
 
 
 def _kl_coef_for(cfg: PPOConfig, iteration: int) -> float:
@@ -197,8 +218,9 @@ def _kl_coef_for(cfg: PPOConfig, iteration: int) -> float:
     meta = pq.read_schema(prev).metadata or {}
     prev_coef = float(meta[b"kl_coef"])
     prev_kl = float(meta[b"mean_rollout_kl"])
-    n_tokens = pq.read_metadata(prev).num_rows
-    return adaptive_kl_coef(prev_coef, prev_kl, cfg.kl_target, n_tokens, cfg.kl_horizon)
+    # the controller counts sequences (kl_horizon is in rollouts), not the table's one row per token
+    n_rollouts = pc.count_distinct(read_table(prev).column("rollout_id")).as_py()
+    return adaptive_kl_coef(prev_coef, prev_kl, cfg.kl_target, n_rollouts, cfg.kl_horizon)
 
 
 def reward(cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: Path) -> PhaseResult:
@@ -211,9 +233,12 @@ def reward(cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: P
         ro = read_table(rollouts_path)
         kl = read_table(sa_pairs_path).column("kl").to_numpy()
         lengths = _flat_lengths(ro)
-        fn = reward_function(cfg)
-        raw = score_responses(fn, ro.column("prompt").to_pylist(), ro.column("response").to_pylist(), lengths)
-        truncated = np.array([f == "length" for f in ro.column("finish_reason").to_pylist()])
+        finish = ro.column("finish_reason").to_pylist()
+        raw = score_responses(
+            reward_function(cfg), ro.column("prompt").to_pylist(), ro.column("response").to_pylist(),
+            _n_tokens_without_eos(lengths, finish), (_lists(ro, "prompt_token_ids"), _lists(ro, "response_token_ids")),
+        )
+        truncated = np.array([f == "length" for f in finish])
         scores = raw + cfg.missing_eos_penalty * truncated
         coef = _kl_coef_for(cfg, iteration)
         score_t, penalty, total = shape_rewards(kl, lengths, scores, coef)
@@ -235,18 +260,28 @@ def reward(cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: P
     return _run(cfg, iteration, "reward", inputs, compute)
 
 
-def advantage(cfg: PPOConfig, iteration: int, rewards_path: Path, values_path: Path) -> PhaseResult:
-    inputs = {"rewards": rewards_path, "values": values_path}
+def advantage(cfg: PPOConfig, iteration: int, rewards_path: Path, values_path: Path | None) -> PhaseResult:
+    """Per-token advantages by ``cfg.advantage_estimator`` (``values_path`` is None without a value model)."""
+    if cfg.uses_critic and values_path is None:
+        raise ValueError("advantage_estimator 'gae' needs the value phase's table")
+    inputs = {"rewards": rewards_path, **({"values": values_path} if cfg.uses_critic else {})}
 
     def compute():
         rw = pl.from_arrow(read_table(rewards_path))
-        va = pl.from_arrow(read_table(values_path))
-        joined = rw.join(va, on=["rollout_id", "t"], how="inner", maintain_order="left")
-        if joined.height != rw.height:
-            raise ValueError(f"rewards ({rw.height} rows) and values ({va.height} rows) do not cover the same tokens")
+        if cfg.uses_critic:
+            va = pl.from_arrow(read_table(values_path))
+            joined = rw.join(va, on=["rollout_id", "t"], how="inner", maintain_order="left")
+            if joined.height != rw.height:
+                raise ValueError(f"rewards ({rw.height} rows) and values ({va.height} rows) do not cover the same tokens")
+        else:
+            joined = rw.with_columns(value=pl.lit(0.0, pl.Float32))
         lengths = joined.group_by("rollout_id", maintain_order=True).len()["len"].to_numpy()
         v = joined["value"].to_numpy().astype(np.float64)
-        res = gae(joined["reward"].to_numpy().astype(np.float64), v, lengths, cfg.gamma, cfg.lam, cfg.whiten_advantages)
+        r = joined["reward"].to_numpy().astype(np.float64)
+        if cfg.uses_critic:
+            res = gae(r, v, lengths, cfg.gamma, cfg.lam, cfg.whiten_advantages)
+        else:
+            res = critic_free(cfg.advantage_estimator, r, lengths, cfg.samples_per_prompt, cfg.gamma, cfg.whiten_advantages)
         frame = joined.select("rollout_id", "t", "value").with_columns(
             td_error=pl.Series(res.td_error),
             advantage=pl.Series(res.advantage),
@@ -299,7 +334,8 @@ def train_job(job: TrainJob, group: Any = None) -> None:
     tokens = pl.from_arrow(read_table(Path(job.sa_pairs))).join(
         pl.from_arrow(read_table(Path(job.advantages))), on=["rollout_id", "t"], how="inner", maintain_order="left"
     )
-    adv_col = "whitened_advantage" if cfg.whiten_advantages else "advantage"
+    # whitened_advantage is what the loss uses: the advantage itself wherever whitening is off
+    adv_col = "whitened_advantage"
     data = TrainData(
         prompt_ids=_lists(ro, "prompt_token_ids"),
         response_ids=_lists(ro, "response_token_ids"),
@@ -311,19 +347,23 @@ def train_job(job: TrainJob, group: Any = None) -> None:
     if len(data.old_logprob) != int(data.lengths.sum()):
         raise ValueError("sa_pairs and advantages do not cover every generated token")
     model = model_for(cfg, checkpoint)
-    optimizers = {POLICY: make_optimizer(cfg.policy_lr), VALUE: make_optimizer(cfg.value_lr)}
+    optimizers = make_optimizers(cfg)
     for name, path in _train_inputs(checkpoint).items():
         if name.endswith("_optimizer"):
             load_optimizer(optimizers[name.removesuffix("_optimizer")], path)
     rng = np.random.default_rng(phase_seed(cfg, iteration, "train"))
-    rows = ppo_update(model, data, TrainSettings.from_config(cfg), optimizers, rng, group)
+    settings = TrainSettings.from_config(cfg, trained_adapters(cfg, iteration))
+    rows = ppo_update(model, data, settings, optimizers, rng, group)
     if group is not None and group.rank() != 0:
         return
+    # an adapter this iteration does not train is carried over unchanged, with its optimiser state
     ckpt = cfg.layout.checkpoint(iteration)
     for a in PPO_ADAPTERS:
         model.save_adapter(a, ckpt.adapter(a))
         save_optimizer(optimizers[a], ckpt.optimizer(a))
-    write_table(cfg.layout.iter_dir(iteration), "metrics", pl.DataFrame(rows).to_arrow())
+    metrics = pl.DataFrame(rows)
+    untrained = [pl.lit(None, pl.Float32).alias(n) for n in METRICS.names if n not in metrics.columns]
+    write_table(cfg.layout.iter_dir(iteration), "metrics", metrics.with_columns(untrained).to_arrow())
 
 
 def train(
@@ -362,7 +402,8 @@ def train(
         metrics = pl.from_arrow(read_table(paths["metrics"]))
         last_epoch = metrics.filter(pl.col("epoch") == metrics["epoch"].max())
         keys = ["policy_loss", "value_loss", "approx_kl", "clip_fraction"] + (["entropy"] if cfg.entropy_coef > 0 else [])
-        stats = {k: float(last_epoch[k].mean()) for k in keys}
+        # an adapter not trained this iteration (value warm-up, critic-free) has no loss to report
+        stats = {k: float(last_epoch[k].mean()) for k in keys if last_epoch[k].null_count() < last_epoch.height}
         stats["tokens"] = float(_flat_lengths(read_table(rollouts_path)).sum() * cfg.ppo_epochs)
         stats["optimizer_steps"] = float(metrics.height)
         return paths, stats
@@ -432,17 +473,17 @@ def _rollout_rows(cfg: PPOConfig, iteration: int, shard: Shard, checkpoint: Chec
     from ppo_core.generate import decode_responses, generate, render_prompts
 
     prompts = load_prompts(cfg.prompts_path)
-    # which prompts the iteration samples is a whole-batch choice; a shard takes its rows of it
+    # which prompts the iteration samples is a whole-batch choice; a shard takes its rows of it.
+    # Rollout r answers chosen prompt r // k (k = samples_per_prompt): a group's rollouts are consecutive.
     idx = np.sort(np.random.default_rng(phase_seed(cfg, iteration, "rollout")).choice(prompts.height, cfg.batch_size, replace=False))
-    rollout_ids = shard.rows(cfg.batch_size)
-    chosen = prompts[idx[rollout_ids]]
+    rollout_ids = shard.rows(cfg.rollouts_per_iteration)
+    chosen = prompts[idx[rollout_ids // cfg.samples_per_prompt]]
     model = model_for(cfg, checkpoint, (POLICY,))
     prompt_ids = render_prompts(model, chosen["prompt"].to_list())
     check_prompt_lengths(chosen, [len(p) for p in prompt_ids], cfg.max_new_tokens, _context_length(model), cfg.prompts_path)
     seeds = phase_row_seeds(cfg, iteration, "rollout", rollout_ids)
     gen = generate(
-        model, prompt_ids, adapter=POLICY, max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature, top_p=cfg.top_p, seeds=seeds,
+        model, prompt_ids, adapter=POLICY, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seeds=seeds
     )
     return _as_table("rollouts", {
         "rollout_id": rollout_ids.astype(np.int32),
@@ -530,9 +571,11 @@ def _evaluate_rows(cfg: PPOConfig, iteration: int, shard: Shard, checkpoint: Che
         "prompt_id": prompts["prompt_id"].to_list(),
         "prompt": prompts["prompt"].to_list(),
         "response": decode_responses(model, gen.response_ids),
-        "response_tokens": np.array([len(r) for r in gen.response_ids], dtype=np.int32),
+        "response_tokens": _n_tokens_without_eos(np.array([len(r) for r in gen.response_ids]), gen.finish_reasons).astype(np.int32),
         "finish_reason": gen.finish_reasons,
         "score": np.full(len(rows), np.nan),
+        "prompt_token_ids": prompt_ids,
+        "response_token_ids": gen.response_ids,
     })  # fmt: skip
 
 
@@ -540,7 +583,8 @@ def _evaluate_finish(cfg: PPOConfig, table: pa.Table) -> tuple[pa.Table, dict[st
     """Score every answer at once: a batch-normalised reward must see the whole held-out set."""
     lengths = table.column("response_tokens").to_numpy()
     prompts, responses = table.column("prompt").to_pylist(), table.column("response").to_pylist()
-    scores = score_responses(reward_function(cfg), prompts, responses, lengths)
+    token_ids = (_lists(table, "prompt_token_ids"), _lists(table, "response_token_ids"))
+    scores = score_responses(reward_function(cfg), prompts, responses, lengths, token_ids)
     table = table.set_column(table.schema.get_field_index("score"), "score", pa.array(scores, pa.float32()))
     return table, {"eval_score": float(scores.mean()), "eval_response_length": float(lengths.mean())}
 
@@ -557,7 +601,7 @@ DATA_PHASES = {
 
 
 def rollout(cfg: PPOConfig, iteration: int, checkpoint: Checkpoint, shard: Shard = WHOLE) -> PhaseResult:
-    """Sample one response per chosen prompt with the policy of ``checkpoint``."""
+    """Sample ``samples_per_prompt`` responses per chosen prompt with the policy of ``checkpoint``."""
     return _run_data_phase(DATA_PHASES["rollout"], cfg, iteration, (checkpoint,), shard)
 
 

@@ -57,7 +57,7 @@ def output(result: dict[str, Any], name: str) -> Path:
 def _data_phase(runner: Runner, fn: Callable[..., phases.PhaseResult], cfg: PPOConfig, iteration: int, *args: Any) -> dict[str, Any]:
     """A data-parallel phase: whole when unsharded or already done, else its shards side by side, then merged."""
     name = fn.__name__
-    rows = cfg.eval_size if name == "evaluate" else cfg.batch_size
+    rows = cfg.eval_size if name == "evaluate" else cfg.rollouts_per_iteration
     count = min(runner.shards, rows)
     if count <= 1 or phases.done(name, cfg, iteration, *args) is not None:
         return runner.call(fn, cfg, iteration, *args)
@@ -84,7 +84,8 @@ def start(cfg: PPOConfig, runner: Runner | None = None) -> list[dict[str, Any]]:
 def run_iteration(cfg: PPOConfig, iteration: int, runner: Runner | None = None) -> list[dict[str, Any]]:
     """All phases of ``iteration`` (each reused if its outputs are intact), then its manifest.
 
-    Results come back in ``phases.ITERATION_PHASES`` order.
+    Results come back in ``phases.ITERATION_PHASES`` order (without ``value``
+    when the estimator has no value model).
     """
     runner = runner or Runner()
     prev = cfg.layout.checkpoint(iteration - 1)
@@ -92,12 +93,13 @@ def run_iteration(cfg: PPOConfig, iteration: int, runner: Runner | None = None) 
     rollouts = output(ro, "rollouts")
     sa = _data_phase(runner, phases.attribute, cfg, iteration, rollouts, prev)
     rw = runner.call(phases.reward, cfg, iteration, rollouts, output(sa, "sa_pairs"))
-    va = _data_phase(runner, phases.value, cfg, iteration, rollouts, prev)
-    ad = runner.call(phases.advantage, cfg, iteration, output(rw, "rewards"), output(va, "values"))
+    # the critic-free estimators have no value model to ask
+    va = _data_phase(runner, phases.value, cfg, iteration, rollouts, prev) if cfg.uses_critic else None
+    ad = runner.call(phases.advantage, cfg, iteration, output(rw, "rewards"), output(va, "values") if va else None)
     tr = runner.call(
         phases.train, cfg, iteration, rollouts, output(sa, "sa_pairs"), output(ad, "advantages"), prev, **runner.train_options()
     )
-    results = [ro, sa, rw, va, ad, tr]
+    results = [r for r in (ro, sa, rw, va, ad, tr) if r is not None]
     if cfg.eval_size:
         results.append(_data_phase(runner, phases.evaluate, cfg, iteration, cfg.layout.checkpoint(iteration)))
     runs.write_manifest(cfg, iteration, results)

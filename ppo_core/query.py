@@ -58,7 +58,7 @@ def connect(artifact_root: Path, database: str = ":memory:") -> duckdb.DuckDBPyC
             continue
         pattern = glob.as_posix().replace("'", "''")
         con.execute(
-            f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{pattern}', hive_partitioning = true, "
+            f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{pattern}', hive_partitioning = true, union_by_name = true, "
             "hive_types = {'run': VARCHAR, 'iter': INTEGER})"
         )
         present.append(name)

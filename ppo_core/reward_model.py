@@ -1,7 +1,10 @@
 """Learned reward model: base + reward LoRA + scalar head, trained with Bradley-Terry.
 
 The reward of a (prompt, response) pair is the head's output on the final
-hidden state of ``chat(prompt) + response + EOS``. Training minimises
+hidden state of ``chat(prompt) + response``: in training, the preference
+text encoded and closed with EOS; in PPO, exactly the tokens the policy
+generated (EOS included only if it emitted one, so a response cut at the
+length limit is scored as cut). Training minimises
 ``-log sigmoid(r(chosen) - r(rejected))`` over preference pairs.
 """
 
@@ -70,8 +73,12 @@ def _last_position_rewards(model: PolicyValueModel, batch, trunk: mx.array, leng
 
 
 def score_texts(model: PolicyValueModel, prompts: list[str], responses: list[str], batch_size: int) -> np.ndarray:
-    """Reward-model score of each (prompt, response), in batches."""
-    p_ids, r_ids = _sequences(model, prompts, responses)
+    """Reward-model score of each (prompt, complete response), in batches."""
+    return score_ids(model, *_sequences(model, prompts, responses), batch_size)
+
+
+def score_ids(model: PolicyValueModel, p_ids: list[list[int]], r_ids: list[list[int]], batch_size: int) -> np.ndarray:
+    """Reward-model score of each tokenised (prompt, response), in batches."""
     out = []
     for lo in range(0, len(p_ids), batch_size):
         b = make_batch(p_ids[lo : lo + batch_size], r_ids[lo : lo + batch_size], model.pad_token_id)
@@ -120,7 +127,7 @@ def train_reward_model(
         return -mx.mean(mx.log(mx.sigmoid(margin) + 1e-12)), margin
 
     vg = mx.value_and_grad(loss_fn)
-    opt = optim.Adam(learning_rate=lr)
+    opt = optim.Adam(learning_rate=lr, bias_correction=True)
     params = model.trainable(REWARD)
     rng = np.random.default_rng(seed)
     history = []
@@ -204,7 +211,13 @@ class LearnedReward:
         self.name = f"model:{path.name}"
 
     def __call__(self, prompts: list[str], responses: list[str], n_tokens: np.ndarray) -> np.ndarray:
-        scores = score_texts(self.model, prompts, responses, self.batch_size)
+        return self._normalized(score_texts(self.model, prompts, responses, self.batch_size))
+
+    def score_token_ids(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> np.ndarray:
+        """Score what the policy generated, token for token."""
+        return self._normalized(score_ids(self.model, prompt_ids, response_ids, self.batch_size))
+
+    def _normalized(self, scores: np.ndarray) -> np.ndarray:
         if self.normalize == "train":
             return (scores - self.mean) / self.std
         if self.normalize == "batch":

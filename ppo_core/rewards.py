@@ -1,7 +1,11 @@
 """Reward functions behind one interface, and per-token KL shaping.
 
 A reward function scores whole responses: ``fn(prompts, responses, n_tokens)
--> float array``. Shaping turns that into per-token rewards:
+-> float array``, where ``responses`` is the decoded text and ``n_tokens`` the
+number of generated tokens, the end-of-sequence token not counted. A function
+that scores token ids (the learned reward model) also has
+``score_token_ids(prompt_ids, response_ids)``, given exactly what was
+generated. Shaping turns scores into per-token rewards:
 ``reward_t = -kl_coef * KL_t`` plus the score at the last token.
 """
 
@@ -74,15 +78,34 @@ def make_reward(spec: str, length_min: int, length_max: int) -> RewardFunction:
         return LengthWindow(length_min, length_max)
     if spec.startswith("keyword:"):
         return KeywordReward(tuple(w for w in spec.removeprefix("keyword:").split(",") if w))
+    if spec.startswith("python:"):
+        from ppo_core.user_reward import load_user_reward
+
+        return load_user_reward(spec)
     if spec.startswith("model:"):
         raise RewardError(f"reward '{spec}' needs the loaded model: use ppo_core.phases.reward_function")
     raise RewardError(f"unknown reward '{spec}'")
 
 
-def score_responses(fn: RewardFunction, prompts: list[str], responses: list[str], n_tokens: np.ndarray) -> np.ndarray:
-    """Call ``fn`` and insist on one finite float per response."""
+def score_responses(
+    fn: RewardFunction,
+    prompts: list[str],
+    responses: list[str],
+    n_tokens: np.ndarray,
+    token_ids: tuple[list[list[int]], list[list[int]]] | None = None,
+) -> np.ndarray:
+    """Call ``fn`` and insist on one finite float per response.
+
+    ``token_ids`` (prompt and response ids as generated) go to a function that
+    scores tokens, so it sees what the policy produced rather than a re-encoding
+    of the decoded text.
+    """
     try:
-        scores = np.asarray(fn(prompts, responses, n_tokens), dtype=np.float64)
+        if token_ids is not None and hasattr(fn, "score_token_ids"):
+            scores = fn.score_token_ids(*token_ids)
+        else:
+            scores = fn(prompts, responses, n_tokens)
+        scores = np.asarray(scores, dtype=np.float64)
     except Exception as exc:
         raise RewardError(f"reward function '{fn.name}' raised {type(exc).__name__}: {exc}") from exc
     if scores.shape != (len(responses),):
@@ -106,7 +129,12 @@ def shape_rewards(
     return score_t, penalty, score_t + penalty
 
 
-def adaptive_kl_coef(kl_coef: float, mean_kl: float, target: float, n_steps: int, horizon: int) -> float:
-    """Ziegler et al. (2019) proportional controller: nudge kl_coef toward ``target`` KL."""
+def adaptive_kl_coef(kl_coef: float, mean_kl: float, target: float, n_rollouts: int, horizon: int) -> float:
+    """Ziegler et al. (2019) proportional controller: nudge kl_coef toward ``target`` KL per rollout.
+
+    ``n_rollouts`` (sequences, not tokens) is how many samples the KL was
+    measured on, and ``horizon`` is in the same unit, as in the paper, TRL and
+    OpenRLHF: the rate does not depend on response length.
+    """
     error = float(np.clip(mean_kl / target - 1.0, -0.2, 0.2))
-    return kl_coef * (1.0 + error * n_steps / horizon)
+    return kl_coef * (1.0 + error * n_rollouts / horizon)

@@ -40,6 +40,13 @@ def check_inputs(cfg: PPOConfig) -> None:
         load_prompts(cfg.eval_prompts_path)
     if cfg.reward_model_file is not None and not cfg.reward_model_file.is_file():
         raise ConfigError(f"config field 'reward': reward model file {cfg.reward_model_file} does not exist")
+    if cfg.reward.startswith("python:"):
+        from ppo_core.user_reward import UserRewardError, load_user_reward
+
+        try:  # import it now: a typo in the user's module fails before any model loads
+            load_user_reward(cfg.reward)
+        except UserRewardError as exc:
+            raise ConfigError(str(exc)) from None
     root = cfg.artifact_root
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -71,6 +71,9 @@ EVAL = pa.schema(
         ("response_tokens", pa.int32()),
         ("finish_reason", pa.string()),
         ("score", pa.float32()),
+        # what the policy generated, as scored (older eval tables lack these two; the views union by name)
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("response_token_ids", pa.list_(pa.int32())),
     ]
 )
 

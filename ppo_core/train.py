@@ -1,8 +1,14 @@
 """Minibatch PPO epochs over one iteration's tables.
 
 ``ppo_update`` shuffles the rollouts into minibatches each epoch; ``PPOStep``
-takes one clipped-gradient optimiser step of the policy and one of the value
-adapter per ``Minibatch``, in the spirit of mlx-lm's ``step(batch)``.
+takes one clipped-gradient optimiser step of each trained adapter (policy and
+value; the policy alone with a critic-free estimator; the value alone during
+value warm-up) per ``Minibatch``, in the spirit of mlx-lm's ``step(batch)``.
+
+The optimisers are bias-corrected Adam with a warm-up/decay schedule of the
+optimiser's own step count, which is saved with its moments in every
+checkpoint: the schedule and the moments carry across iterations, as in one
+long training run.
 
 Data-parallel: given an ``mx.distributed`` group of N ranks, each rank takes
 its contiguous slice of every minibatch; token means are taken over the whole
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -59,13 +66,14 @@ class TrainSettings:
     entropy_coef: float
     max_grad_norm: float
     temperature: float
+    adapters: tuple[str, ...] = PPO_ADAPTERS  # the adapters this update trains
 
     @classmethod
-    def from_config(cls, cfg: PPOConfig) -> TrainSettings:
+    def from_config(cls, cfg: PPOConfig, adapters: tuple[str, ...] = PPO_ADAPTERS) -> TrainSettings:
         return cls(
             epochs=cfg.ppo_epochs, num_minibatches=cfg.num_minibatches, clip_range=cfg.clip_range,
             value_clip_range=cfg.value_clip_range, entropy_coef=cfg.entropy_coef,
-            max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature,
+            max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, adapters=adapters,
         )
 
 
@@ -93,8 +101,31 @@ def _dot(flat: dict[str, mx.array]) -> dict[str, mx.array]:
     return {k.replace("/", "."): v for k, v in flat.items()}
 
 
-def make_optimizer(lr: float) -> optim.Optimizer:
-    return optim.Adam(learning_rate=lr)
+def learning_rate_schedule(peak: float, cfg: PPOConfig) -> float | Callable[[mx.array], mx.array]:
+    """The config's schedule of one optimiser's learning rate, as a function of its step (a constant when flat)."""
+    if cfg.lr_schedule == "constant" and cfg.lr_warmup_steps == 0:
+        return peak
+    floor, decay = peak * cfg.lr_min_ratio, cfg.lr_decay_iterations * cfg.steps_per_iteration
+    after = {
+        "constant": lambda step: mx.array(peak, dtype=mx.float32),
+        "linear": optim.linear_schedule(peak, floor, decay),
+        "cosine": optim.cosine_decay(peak, decay, floor),
+    }[cfg.lr_schedule]
+    if not cfg.lr_warmup_steps:
+        return after
+    return optim.join_schedules([optim.linear_schedule(0.0, peak, cfg.lr_warmup_steps), after], [cfg.lr_warmup_steps])
+
+
+def make_optimizer(lr: float | Callable[[mx.array], mx.array]) -> optim.Optimizer:
+    # bias_correction: without it MLX's Adam moves the first hundreds of steps by up to ~6x the learning rate
+    return optim.Adam(learning_rate=lr, bias_correction=True)
+
+
+def make_optimizers(cfg: PPOConfig) -> dict[str, optim.Optimizer]:
+    return {
+        POLICY: make_optimizer(learning_rate_schedule(cfg.policy_lr, cfg)),
+        VALUE: make_optimizer(learning_rate_schedule(cfg.value_lr, cfg)),
+    }
 
 
 def save_optimizer(opt: optim.Optimizer, path: Path) -> None:
@@ -123,7 +154,7 @@ def all_sum_tree(tree, group: mx.distributed.Group):
 
 
 class PPOStep:
-    """One optimiser step of the policy and one of the value adapter per minibatch."""
+    """One optimiser step of each adapter in ``settings.adapters`` per minibatch."""
 
     def __init__(
         self,
@@ -133,7 +164,7 @@ class PPOStep:
         group: mx.distributed.Group | None = None,
     ):
         self.model, self.settings, self.optimizers, self.group = model, settings, optimizers, group
-        self.params = {a: _slash(model.trainable(a)) for a in PPO_ADAPTERS}
+        self.params = {a: _slash(model.trainable(a)) for a in settings.adapters}
         self._grads = {POLICY: mx.value_and_grad(self._policy_objective), VALUE: mx.value_and_grad(self._value_objective)}
 
     def _policy_objective(self, params, mb: Minibatch):
@@ -163,17 +194,18 @@ class PPOStep:
         return stats, norm
 
     def __call__(self, mb: Minibatch) -> dict[str, float]:
-        """Step both adapters on ``mb``; returns the step's metrics."""
-        p_stats, p_norm = self._update(POLICY, "policy_loss", mb)
-        v_stats, v_norm = self._update(VALUE, "value_loss", mb)
+        """Step the trained adapters on ``mb``; returns the step's metrics (of those adapters only)."""
+        row: dict[str, float] = {}
+        for adapter in self.settings.adapters:
+            stats, norm = self._update(adapter, f"{adapter}_loss", mb)
+            row.update({k: float(v.item()) for k, v in stats.items()})
+            row[f"{adapter}_grad_norm"] = float(norm.item())
         mx.eval(self.params)
-        row = {k: float(v.item()) for k, v in {**p_stats, **v_stats}.items()}
-        row.update({"policy_grad_norm": float(p_norm.item()), "value_grad_norm": float(v_norm.item())})
         return row
 
     def finish(self) -> None:
         """Leave the trained parameters in the model."""
-        for a in PPO_ADAPTERS:
+        for a in self.settings.adapters:
             self.model.assign(_dot(self.params[a]))
 
 

@@ -49,7 +49,7 @@ def build_store(root: Path) -> dict[str, pl.DataFrame]:
             RunLayout(root, run).iter_dir(0),
             "eval",
             {"prompt_id": ["eval-0000"], "prompt": ["p"], "response": ["r"], "response_tokens": [1],
-             "finish_reason": ["eos"], "score": [0.5]},
+             "finish_reason": ["eos"], "score": [0.5], "prompt_token_ids": [[1, 2]], "response_token_ids": [[3]]},
         )  # fmt: skip
         for it in ITERS:
             iter_dir = RunLayout(root, run).iter_dir(it)

@@ -43,7 +43,7 @@ def store(tmp_path_factory):
         layout.iter_dir(2), "eval",
         {"prompt_id": ["eval-0001", "eval-0000"], "prompt": [EVAL_PROMPT, "Hello"],
          "response": [EVAL_RESPONSE, "Hi there!"], "response_tokens": [9, 3], "finish_reason": ["eos", "eos"],
-         "score": [0.25, 0.75]},
+         "score": [0.25, 0.75], "prompt_token_ids": [[1], [2]], "response_token_ids": [[3], [4]]},
     )  # fmt: skip
     for it in COMPLETE:
         layout.manifest(it).write_text("{}")

@@ -172,14 +172,14 @@ def test_score_responses_error_mentions_cause():
 
 
 def test_adaptive_kl_raises_when_above_target():
-    new = adaptive_kl_coef(0.1, mean_kl=8.0, target=4.0, n_steps=32, horizon=10000)
+    new = adaptive_kl_coef(0.1, mean_kl=8.0, target=4.0, n_rollouts=32, horizon=10000)
     assert new > 0.1
     # proportional error is clipped to +0.2
     assert new == pytest.approx(0.1 * (1 + 0.2 * 32 / 10000))
 
 
 def test_adaptive_kl_lowers_when_below_target():
-    new = adaptive_kl_coef(0.1, mean_kl=3.0, target=4.0, n_steps=32, horizon=10000)
+    new = adaptive_kl_coef(0.1, mean_kl=3.0, target=4.0, n_rollouts=32, horizon=10000)
     assert 0 < new < 0.1
     assert new == pytest.approx(0.1 * (1 - 0.2 * 32 / 10000))
     # a small error is not clipped
@@ -187,4 +187,4 @@ def test_adaptive_kl_lowers_when_below_target():
 
 
 def test_adaptive_kl_unchanged_at_target():
-    assert adaptive_kl_coef(0.3, mean_kl=4.0, target=4.0, n_steps=32, horizon=100) == pytest.approx(0.3)
+    assert adaptive_kl_coef(0.3, mean_kl=4.0, target=4.0, n_rollouts=32, horizon=100) == pytest.approx(0.3)
