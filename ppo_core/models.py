@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -40,8 +41,29 @@ PPO_ADAPTERS = (POLICY, VALUE)  # what a PPO checkpoint holds
 HEADED = (VALUE, REWARD)  # adapters with a scalar head on the last hidden state
 
 
+# Architectures whose forward pass ``trunk``/``top``/``logits_from_hidden`` reproduce exactly,
+# verified in tests/test_architectures.py (full forward == top(trunk()), sampling == scoring).
+# Others may scale embeddings, soft-cap logits or mix attention kinds (Gemma does all three),
+# which would make generation and scoring disagree silently, so they are refused.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 class ModelError(RuntimeError):
     """The model directory is missing, incomplete or unreadable."""
+
+
+def check_architecture(model_dir: Path) -> str:
+    """The model type of ``model_dir``'s config.json, if it is one this project verified."""
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"cannot read {model_dir / 'config.json'}: {exc}") from None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelError(
+            f"model type {model_type!r} of {model_dir} is not supported: PPO here scores tokens with its own "
+            f"split of the forward pass, verified for {', '.join(SUPPORTED_MODEL_TYPES)} only"
+        )
+    return model_type
 
 
 # ---------------------------------------------------------------- locating
@@ -79,6 +101,7 @@ def resolve_model_dir(model: str, artifact_root: Path) -> Path:
         missing.append("model*.safetensors")
     if missing:
         raise ModelError(f"model directory {path} is incomplete: missing {', '.join(missing)}")
+    check_architecture(path)
     return path
 
 

@@ -289,8 +289,10 @@ def advantage(cfg: PPOConfig, iteration: int, rewards_path: Path, values_path: P
             **{"return": pl.Series(res.returns)},
         )
         path = write_table(cfg.layout.iter_dir(iteration), "advantages", frame.to_arrow())
-        explained = 1.0 - np.var(res.returns - v) / max(np.var(res.returns), 1e-12)
-        return {"advantages": path}, {"advantage": float(res.advantage.mean()), "explained_variance": float(explained)}
+        stats = {"advantage": float(res.advantage.mean())}
+        if cfg.uses_critic:
+            stats["explained_variance"] = float(1.0 - np.var(res.returns - v) / max(np.var(res.returns), 1e-12))
+        return {"advantages": path}, stats
 
     return _run(cfg, iteration, "advantage", inputs, compute)
 

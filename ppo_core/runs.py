@@ -149,5 +149,4 @@ def step_rows(cfg: PPOConfig, iteration: int) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     df = pl.read_parquet(path)
-    steps_per_iter = cfg.ppo_epochs * cfg.num_minibatches
-    return df.with_columns(global_step=(iteration - 1) * steps_per_iter + pl.col("step")).to_dicts()
+    return df.with_columns(global_step=(iteration - 1) * cfg.steps_per_iteration + pl.col("step")).to_dicts()

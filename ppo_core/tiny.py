@@ -1,6 +1,8 @@
-"""A tiny randomly initialised llama + byte-level BPE tokenizer, for fast tests and demos.
+"""Tiny randomly initialised models + a byte-level BPE tokenizer, for fast tests and demos.
 
-It exercises exactly the loading path of a real model directory.
+One per supported architecture (``ppo_core.models.SUPPORTED_MODEL_TYPES``),
+each written as a real model directory so it exercises exactly the loading
+path of a downloaded one.
 """
 
 from __future__ import annotations
@@ -20,9 +22,25 @@ CHAT_TEMPLATE = (
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def make_tiny_model(out_dir: Path, seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = 384) -> Path:
-    """Write an mlx_lm-loadable tiny llama to ``out_dir`` (idempotent)."""
-    from mlx_lm.models.llama import Model, ModelArgs
+def _architecture(model_type: str, hidden: int, layers: int) -> dict:
+    """What a Hugging Face config.json of each architecture sets beyond the common fields."""
+    return {
+        "llama": {"rope_theta": 10000.0, "tie_word_embeddings": True},
+        "mistral": {"rope_theta": 10000.0, "tie_word_embeddings": False, "sliding_window": None},
+        # Qwen2 has biased q/k/v projections and (at 7B) an untied head
+        "qwen2": {"rope_theta": 1000000.0, "tie_word_embeddings": False},
+        # Qwen3 normalises queries and keys per head and sets head_dim explicitly
+        "qwen3": {"rope_theta": 1000000.0, "tie_word_embeddings": True, "head_dim": hidden // 4},
+    }[model_type]
+
+
+def make_tiny_model(
+    out_dir: Path, seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = 384, model_type: str = "llama"
+) -> Path:
+    """Write an mlx_lm-loadable tiny model of ``model_type`` to ``out_dir`` (idempotent)."""
+    import importlib
+
+    from mlx_lm.utils import MODEL_REMAPPING
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     out_dir = Path(out_dir)
@@ -53,7 +71,7 @@ def make_tiny_model(out_dir: Path, seed: int = 0, hidden: int = 64, layers: int 
         )
     )
     config = {
-        "model_type": "llama",
+        "model_type": model_type,
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "intermediate_size": hidden * 2,
@@ -62,12 +80,12 @@ def make_tiny_model(out_dir: Path, seed: int = 0, hidden: int = 64, layers: int 
         "rms_norm_eps": 1e-5,
         "vocab_size": tok.get_vocab_size(),
         "max_position_embeddings": 512,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
         "eos_token_id": tok.token_to_id("<|im_end|>"),
+        **_architecture(model_type, hidden, layers),
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
     mx.random.seed(seed)
-    model = Model(ModelArgs.from_dict(config))
+    model = arch.Model(arch.ModelArgs.from_dict(config))
     mx.save_safetensors(str(out_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return out_dir

@@ -86,7 +86,9 @@ def log_iteration(cfg: PPOConfig, iteration: int, metrics: dict[str, float], ste
     batch = [Metric(k, float(v), now, iteration) for k, v in metrics.items()]
     for row in step_rows:
         gstep = int(row["global_step"])
-        batch += [Metric(f"step/{k}", float(row[k]), now, gstep) for k in ("policy_loss", "value_loss", "approx_kl", "clip_fraction")]
+        # an adapter an iteration did not train (value warm-up, critic-free estimators) has no step metrics
+        keys = ("policy_loss", "value_loss", "approx_kl", "clip_fraction")
+        batch += [Metric(f"step/{k}", float(row[k]), now, gstep) for k in keys if row.get(k) is not None]
     for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 entities
         mlf.log_batch(run_id, metrics=batch[i : i + 900])
     mlf.set_tag(run_id, f"iter.{iteration:04d}.parquet", str(layout.iter_dir(iteration).resolve()))

@@ -19,6 +19,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model") / "tiny")
 
 
+VOWEL_REWARD = """
+def vowel_share(prompts, responses):
+    return [sum(c in "aeiou" for c in r) / max(len(r), 1) for r in responses]
+"""
+
+
+@pytest.fixture
+def vowel_reward(tmp_path) -> str:
+    """A ``python:`` reward spec that varies on the tiny model's random text (the built-ins barely do)."""
+    path = tmp_path / "vowel_reward.py"
+    path.write_text(VOWEL_REWARD)
+    return f"python:{path}:vowel_share"
+
+
 @pytest.fixture
 def tiny_cfg(tiny_model_dir, tmp_path):
     """A PPOConfig factory on the tiny model with a fresh artifact root."""

@@ -18,6 +18,8 @@ from ppo_core.reward_model import (
     PreferenceError,
     load_preferences,
     pairwise_accuracy,
+    score_ids,
+    score_texts,
     split_pairs,
     train_from_file,
 )
@@ -70,6 +72,27 @@ def test_learned_reward_in_the_reward_phase(trained, tiny_cfg):
     assert abs(raw.mean()) < 1e-5 and abs(raw.std() - 1.0) < 1e-3  # batch-normalised
     # the reward model's bytes are part of the phase's cache key
     assert P.reward(run_cfg, 1, ro.path("rollouts"), sa.path("sa_pairs")).cached
+
+
+def test_reward_phase_scores_the_generated_tokens_not_a_re_encoding(trained, tiny_cfg):
+    """A response cut at the length limit is scored as cut: no EOS appended, no decode/encode round trip."""
+    cfg, result = trained
+    run_cfg = tiny_cfg(run="rm-ids", reward=f"model:{result['path']}", missing_eos_penalty=0.0)
+    P.init_checkpoint(run_cfg)
+    ck = run_cfg.layout.checkpoint(0)
+    ro = P.rollout(run_cfg, 1, ck)
+    sa = P.attribute(run_cfg, 1, ro.path("rollouts"), ck)
+    rw = P.reward(run_cfg, 1, ro.path("rollouts"), sa.path("sa_pairs"))
+    stored = pl.read_parquet(rw.path("rewards")).group_by("rollout_id").agg(pl.col("score").sum()).sort("rollout_id")["score"]
+    rollouts = pl.read_parquet(ro.path("rollouts")).sort("rollout_id")
+    model = load_policy_value_model(run_cfg)  # the reward phase loaded the reward adapter into it
+    ids = rollouts["prompt_token_ids"].to_list(), rollouts["response_token_ids"].to_list()
+    expected = score_ids(model, *ids, batch_size=4)
+    np.testing.assert_allclose(stored.to_numpy(), expected, atol=1e-5)
+    cut = (rollouts["finish_reason"] == "length").to_numpy()
+    assert cut.any()
+    with_eos = score_texts(model, rollouts["prompt"].to_list(), rollouts["response"].to_list(), 4)
+    assert np.abs(with_eos[cut] - expected[cut]).max() > 1e-4  # what the old re-encoding + EOS would have scored
 
 
 def test_learned_reward_orders_texts_and_checks_its_layout(trained, tiny_cfg, tmp_path):
