@@ -116,3 +116,17 @@ def test_failed_flow_marks_the_mlflow_run_failed_with_the_reason(flow_overrides,
     # the phases before the failure are kept, so a re-run resumes from them
     assert (cfg.layout.table(1, "sa_pairs")).is_file()
     assert not (cfg.layout.table(1, "rewards")).exists()
+
+
+def test_a_critic_free_run_through_the_flow_skips_the_value_task(flow_overrides, vowel_reward):
+    """RLOO with 2 samples per prompt: no value task, the MLflow run has no value loss, the report builds."""
+    overrides = {**flow_overrides, "advantage_estimator": "rloo", "samples_per_prompt": 2, "batch_size": 3,
+                 "reward": vowel_reward, "temperature": 1.5}
+    summary = ppo(run="flow-rloo", iterations=1, overrides=overrides)
+    cfg = load_config(None, {**overrides, "run": "flow-rloo"})
+    manifest = json.loads(cfg.layout.manifest(1).read_text())
+    assert "value" not in manifest["phases"] and "train" in manifest["phases"]
+    logged = track.run_metrics(cfg)
+    assert "train/policy_loss" in logged and "step/policy_loss" in logged
+    assert not {"train/value_loss", "step/value_loss", "value/value", "advantage/explained_variance"} & set(logged)
+    assert Path(summary["report"]).is_file()
