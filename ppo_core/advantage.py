@@ -11,15 +11,19 @@ loss uses (batch-whitened where the estimator calls for it), ``returns`` the
 value model's target (the discounted return where there is no value model)
 and ``td_error`` r_t + gamma*V_{t+1} - V_t (with V = 0 without a value model).
 
-The critic-free estimators score whole responses. A response's outcome is its
-total shaped reward R_i = score_i - kl_coef * sum_t KL_t (as in TRL's RLOO), so
-the KL penalty acts through the advantage as it does in PPO. Rollouts are
-grouped by prompt: rollout r is sample r mod k of the batch's prompt r // k.
-- grpo (Shao et al. 2024): A_i = (R_i - mean_g R) / (std_g R + 1e-4), std with ddof 1 as in TRL
-- dr_grpo (Liu et al. 2025): A_i = R_i - mean_g R, no division by the std
-- rloo (Ahmadian et al. 2024): A_i = R_i - mean of the group's other k-1 returns
+The critic-free estimators score whole responses. Rollouts are grouped by
+prompt: rollout r is sample r mod k of the batch's prompt r // k. With
+R_i = score_i - kl_coef * sum_t KL_t, a response's total shaped reward:
+- grpo (Shao et al. 2024): A_i,t = (s_i - mean_g s) / (std_g s + 1e-4) + K_i,t, the score s
+  normalised within its group (std with ddof 1, as TRL) plus the KL penalty's reward-to-go
+  K_i,t = -kl_coef * sum_{t' >= t} KL_t'. The penalty stays out of the std: in a group whose
+  scores tie, dividing by a std made of KL noise alone would blow that noise up to unit size.
+  (The paper puts the KL in the loss; this keeps it in the rewards table, like every estimator.)
+- dr_grpo (Liu et al. 2025): A_i = R_i - mean_g R, no division by a std, so the KL can stay in R
+- rloo (Ahmadian et al. 2024; TRL): A_i = R_i - mean of the group's other k-1 R
 - reinforce_pp (Hu 2025): A_t = the discounted per-token return, whitened over the batch
-Each response's advantage is given to every one of its tokens.
+A response-level advantage is given to every one of its tokens; the policy
+loss averages over all tokens of a minibatch, as for PPO.
 """
 
 from __future__ import annotations
@@ -96,14 +100,30 @@ def group_advantages(returns: np.ndarray, group_size: int, estimator: str) -> np
 
 
 def critic_free(
-    estimator: str, rewards: np.ndarray, lengths: np.ndarray, group_size: int, gamma: float, whiten: bool
+    estimator: str,
+    rewards: np.ndarray,
+    lengths: np.ndarray,
+    group_size: int,
+    gamma: float,
+    whiten: bool,
+    kl_penalty: np.ndarray | None = None,
 ) -> AdvantageResult:
-    """grpo, dr_grpo, rloo or reinforce_pp over flat rollout-major per-token rewards."""
+    """grpo, dr_grpo, rloo or reinforce_pp over flat rollout-major per-token rewards.
+
+    ``kl_penalty`` (-kl_coef * KL_t per token, default none) is the part of
+    ``rewards`` that grpo keeps out of its group normalisation.
+    """
     lengths = np.asarray(lengths)
     r, mask = to_grid(rewards, lengths)
     token_returns = discounted_cumsum_reversed(r, gamma)[mask]
     if estimator == "reinforce_pp":
         return AdvantageResult(rewards.copy(), token_returns, whiten_array(token_returns), token_returns)
+    if estimator == "grpo":
+        penalty = np.zeros_like(rewards) if kl_penalty is None else np.asarray(kl_penalty, dtype=np.float64)
+        scores = sequence_returns(rewards - penalty, lengths)
+        penalty_to_go = discounted_cumsum_reversed(to_grid(penalty, lengths)[0], 1.0)[mask]
+        adv = np.repeat(group_advantages(scores, group_size, estimator), lengths) + penalty_to_go
+        return AdvantageResult(rewards.copy(), adv, adv.copy(), token_returns)
     per_rollout = group_advantages(sequence_returns(rewards, lengths), group_size, estimator)
     adv = np.repeat(per_rollout, lengths)
     used = whiten_array(adv) if whiten and estimator == "rloo" else adv.copy()

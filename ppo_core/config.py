@@ -120,7 +120,7 @@ class PPOConfig(BaseModel):
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="after warm-up: hold the peak, or decay it linearly / on a cosine to lr_min_ratio x peak"
     )
-    lr_warmup_steps: int = Field(0, ge=0, le=10**7, description="optimiser steps of linear warm-up from 0 to the peak")
+    lr_warmup_steps: int = Field(0, ge=0, le=10**7, description="optimiser steps of linear warm-up: step s < N runs at peak x (s+1)/N")
     lr_decay_iterations: int = Field(
         100, ge=1, le=10**6,
         description="linear/cosine: iterations over which the rate decays after warm-up; it then stays at the floor",

@@ -275,13 +275,20 @@ def advantage(cfg: PPOConfig, iteration: int, rewards_path: Path, values_path: P
                 raise ValueError(f"rewards ({rw.height} rows) and values ({va.height} rows) do not cover the same tokens")
         else:
             joined = rw.with_columns(value=pl.lit(0.0, pl.Float32))
-        lengths = joined.group_by("rollout_id", maintain_order=True).len()["len"].to_numpy()
+        per_rollout = joined.group_by("rollout_id", maintain_order=True).len()
+        if not (per_rollout["rollout_id"].to_numpy() == np.arange(per_rollout.height)).all():
+            # the estimators' grids and groups (rollout r answers prompt r // k) assume rollouts 0..n-1 in order
+            raise ValueError(f"rewards of iteration {iteration} do not hold rollouts 0..{per_rollout.height - 1} in order")
+        lengths = per_rollout["len"].to_numpy()
         v = joined["value"].to_numpy().astype(np.float64)
         r = joined["reward"].to_numpy().astype(np.float64)
         if cfg.uses_critic:
             res = gae(r, v, lengths, cfg.gamma, cfg.lam, cfg.whiten_advantages)
         else:
-            res = critic_free(cfg.advantage_estimator, r, lengths, cfg.samples_per_prompt, cfg.gamma, cfg.whiten_advantages)
+            res = critic_free(
+                cfg.advantage_estimator, r, lengths, cfg.samples_per_prompt, cfg.gamma, cfg.whiten_advantages,
+                kl_penalty=joined["kl_penalty"].to_numpy().astype(np.float64),
+            )
         frame = joined.select("rollout_id", "t", "value").with_columns(
             td_error=pl.Series(res.td_error),
             advantage=pl.Series(res.advantage),

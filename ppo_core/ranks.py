@@ -34,11 +34,12 @@ RANK_TIMEOUT_ENV = "PPO_RANK_TIMEOUT"
 
 def check_ranks(cfg: PPOConfig, ranks: int) -> None:
     """Every rank needs at least one rollout of every minibatch."""
-    smallest = cfg.batch_size // cfg.num_minibatches
+    smallest = cfg.rollouts_per_iteration // cfg.num_minibatches
     if ranks > smallest:
         raise ConfigError(
             f"train_ranks={ranks} is more than the {smallest} rollouts of the smallest minibatch "
-            f"(batch_size {cfg.batch_size} / num_minibatches {cfg.num_minibatches}); use at most {smallest} ranks"
+            f"(batch_size {cfg.batch_size} x samples_per_prompt {cfg.samples_per_prompt} / num_minibatches "
+            f"{cfg.num_minibatches}); use at most {smallest} ranks"
         )
 
 

@@ -214,8 +214,15 @@ class LearnedReward:
         return self._normalized(score_texts(self.model, prompts, responses, self.batch_size))
 
     def score_token_ids(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> np.ndarray:
-        """Score what the policy generated, token for token."""
-        return self._normalized(score_ids(self.model, prompt_ids, response_ids, self.batch_size))
+        """Score what the policy generated, token for token.
+
+        A model with several end tokens may end with another than the one the
+        reward model was trained to see after a complete response: that one
+        takes its place.
+        """
+        trained_eos, eos = self.model.eos_token_ids[0], set(self.model.eos_token_ids)
+        closed = [r[:-1] + [trained_eos] if r and r[-1] in eos else r for r in response_ids]
+        return self._normalized(score_ids(self.model, prompt_ids, closed, self.batch_size))
 
     def _normalized(self, scores: np.ndarray) -> np.ndarray:
         if self.normalize == "train":

@@ -111,9 +111,11 @@ def learning_rate_schedule(peak: float, cfg: PPOConfig) -> float | Callable[[mx.
         "linear": optim.linear_schedule(peak, floor, decay),
         "cosine": optim.cosine_decay(peak, decay, floor),
     }[cfg.lr_schedule]
-    if not cfg.lr_warmup_steps:
+    warm = cfg.lr_warmup_steps
+    if warm <= 1:
         return after
-    return optim.join_schedules([optim.linear_schedule(0.0, peak, cfg.lr_warmup_steps), after], [cfg.lr_warmup_steps])
+    # step s < warm runs at peak x (s + 1) / warm: the first step already moves, the last warm-up step is at the peak
+    return optim.join_schedules([optim.linear_schedule(peak / warm, peak, warm - 1), after], [warm])
 
 
 def make_optimizer(lr: float | Callable[[mx.array], mx.array]) -> optim.Optimizer:

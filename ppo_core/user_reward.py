@@ -11,7 +11,10 @@ built-in rewards: an exception, a wrong length or a non-finite score fails the
 phase with a message naming the function, and nothing already written is lost.
 
 The function's source file is an input of every phase that scores, so editing
-it makes the next run recompute rewards instead of reusing stale ones.
+it makes the next run recompute rewards instead of reusing stale ones; it is
+(re)loaded every time a phase builds the reward, so a long-lived worker runs the
+code the cache key hashed. Only that file is hashed: bump it when a module or
+data file it reads changes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import hashlib
 import importlib
 import importlib.util
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -75,7 +79,9 @@ def source_file(spec: str) -> Path:
 
 def _module(target: str) -> Any:
     if not target.endswith(".py"):
-        return importlib.import_module(target)
+        fresh = target not in sys.modules
+        module = importlib.import_module(target)
+        return module if fresh else importlib.reload(module)  # the bytes the cache key hashed, not a stale copy
     path = source_file(f"{PREFIX}{target}:f")
     name = "ppo_user_reward_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)

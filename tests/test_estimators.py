@@ -33,7 +33,13 @@ def _per_rollout(rewards, lengths):
     return out
 
 
-def _expected(estimator, rewards, lengths, gamma=1.0):
+def _expected(estimator, rewards, lengths, gamma=1.0, kl_penalty=None):
+    if estimator == "grpo" and kl_penalty is not None:  # the group sees the scores; the penalty adds its reward-to-go
+        scored = _expected("grpo", rewards - kl_penalty, lengths)
+        to_go = []
+        for row in _per_rollout(kl_penalty, lengths):
+            to_go += [sum(row[t:]) for t in range(len(row))]
+        return scored + np.array(to_go)
     rows = _per_rollout(rewards, lengths)
     if estimator == "reinforce_pp":
         returns = []
@@ -71,6 +77,31 @@ def test_estimator_matches_an_independent_computation(estimator):
     else:
         np.testing.assert_allclose(res.whitened, expected, atol=1e-12)
     np.testing.assert_allclose(res.td_error, rewards)  # r_t + gamma * 0 - 0: no value model
+
+
+def test_grpo_keeps_kl_noise_out_of_its_normalisation():
+    """Tied scores: the advantage is the KL penalty's reward-to-go, not KL noise divided by a tiny std."""
+    lengths = np.array([3, 2, 4, 3])
+    kl_penalty = -0.05 * np.array([0.1, 0.2, 0.0, 0.3, 0.1, 0.05, 0.0, 0.2, 0.1, 0.4, 0.0, 0.1])
+    rewards = kl_penalty.copy()
+    rewards[np.cumsum(lengths) - 1] += 1.0  # every response scores 1
+    res = critic_free("grpo", rewards, lengths, 4, 1.0, False, kl_penalty=kl_penalty)
+    to_go = np.concatenate([np.cumsum(x[::-1])[::-1] for x in np.split(kl_penalty, np.cumsum(lengths)[:-1])])
+    np.testing.assert_allclose(res.advantage, to_go, atol=1e-12)
+    assert np.abs(res.advantage).max() < 0.05
+
+
+def test_advantage_phase_refuses_rollouts_out_of_order(tiny_cfg):
+    from ppo_core import phases as P
+    from ppo_core.tables import write_table
+
+    cfg = tiny_cfg(advantage_estimator="rloo", samples_per_prompt=2)
+    path = write_table(cfg.layout.iter_dir(1), "rewards", {
+        "rollout_id": np.array([1, 1, 0], dtype=np.int32), "t": np.array([0, 1, 0], dtype=np.int32),
+        "score": np.zeros(3), "kl_penalty": np.zeros(3), "reward": np.zeros(3),
+    })  # fmt: skip
+    with pytest.raises(ValueError, match=r"do not hold rollouts 0..1 in order"):
+        P.advantage(cfg, 1, path, None)
 
 
 def test_group_estimators_centre_each_group():
@@ -123,7 +154,9 @@ def test_grpo_iteration_samples_groups_and_trains_no_value_model(tiny_cfg, vowel
         rw = pl.from_arrow(read_table(cfg.layout.table(it, "rewards")))
         ad = pl.from_arrow(read_table(cfg.layout.table(it, "advantages")))
         lengths = rw.group_by("rollout_id", maintain_order=True).len()["len"].to_numpy()
-        np.testing.assert_allclose(ad["advantage"], _expected("grpo", rw["reward"].to_numpy().astype(np.float64), lengths), atol=1e-4)
+        expected = _expected("grpo", rw["reward"].to_numpy().astype(np.float64), lengths,
+                             kl_penalty=rw["kl_penalty"].to_numpy().astype(np.float64))
+        np.testing.assert_allclose(ad["advantage"], expected, atol=1e-4)
         assert (ad["value"] == 0).all()
     # the value adapter is carried over untouched; the policy moved
     first, last = (cfg.layout.checkpoint(i) for i in (0, 2))

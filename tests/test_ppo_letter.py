@@ -8,6 +8,8 @@ an update that follows the negated advantage.
 
 from __future__ import annotations
 
+import shutil
+
 import mlx.core as mx
 import numpy as np
 import polars as pl
@@ -19,6 +21,7 @@ from ppo_core import phases as P
 from ppo_core import pipeline
 from ppo_core.config import ConfigError, load_config
 from ppo_core.generate import render_prompts
+from ppo_core.layout import Checkpoint
 from ppo_core.losses import value_loss
 from ppo_core.models import POLICY, VALUE, load_policy_value_model
 from ppo_core.query import connect
@@ -48,7 +51,7 @@ def test_learning_rate_schedule_warms_up_then_decays_to_the_floor():
                              "ppo_epochs": 2, "num_minibatches": 2, "policy_lr": 1e-3, "lr_min_ratio": 0.1})
     rate = learning_rate_schedule(cfg.policy_lr, cfg)
     at = lambda step: float(rate(mx.array(step)))  # noqa: E731
-    assert [at(s) for s in (0, 2, 4)] == pytest.approx([0.0, 5e-4, 1e-3])
+    assert [at(s) for s in (0, 2, 3, 4)] == pytest.approx([2.5e-4, 7.5e-4, 1e-3, 1e-3])
     decay = 2 * cfg.steps_per_iteration  # 8 steps after the warm-up
     assert at(4 + decay // 2) == pytest.approx(1e-3 - 0.5 * 0.9e-3)
     assert at(4 + decay) == pytest.approx(1e-4) and at(4 + 10 * decay) == pytest.approx(1e-4)
@@ -57,7 +60,7 @@ def test_learning_rate_schedule_warms_up_then_decays_to_the_floor():
     assert learning_rate_schedule(1e-3, load_config(None, {})) == 1e-3  # constant: a plain float
 
 
-def test_the_schedule_and_adam_moments_carry_across_iterations(tiny_cfg, vowel_reward):
+def test_the_schedule_and_adam_moments_carry_across_iterations(tiny_cfg, vowel_reward, tmp_path):
     cfg = tiny_cfg(reward=vowel_reward, lr_schedule="linear", lr_warmup_steps=3, lr_decay_iterations=1, temperature=1.5)
     pipeline.run(cfg, 2)
     state = load_file(cfg.layout.checkpoint(2).optimizer(POLICY))
@@ -65,6 +68,17 @@ def test_the_schedule_and_adam_moments_carry_across_iterations(tiny_cfg, vowel_r
     assert int(state["step"]) == steps
     rate = learning_rate_schedule(cfg.policy_lr, cfg)
     assert float(state["learning_rate"]) == pytest.approx(float(rate(mx.array(steps - 1))))
+    # iteration 2 resumed iteration 1's moments: the same step from fresh moments ends elsewhere
+    bare = Checkpoint(tmp_path / "without-optimiser")
+    shutil.copytree(cfg.layout.checkpoint(1).dir, bare.dir)
+    for a in (POLICY, VALUE):
+        bare.optimizer(a).unlink()
+    fresh = cfg.model_copy(update={"run": "fresh-moments"})
+    P.train(fresh, 2, *(cfg.layout.table(2, t) for t in ("rollouts", "sa_pairs", "advantages")), bare)
+    other = load_file(fresh.layout.checkpoint(2).optimizer(POLICY))
+    moments = [k for k in state if k not in ("step", "learning_rate")]
+    assert moments and int(other["step"]) == cfg.steps_per_iteration
+    assert any(np.abs(other[k] - state[k]).max() > 1e-9 for k in moments)
 
 
 def test_value_warmup_trains_only_the_value_model_first(tiny_cfg, vowel_reward):
@@ -72,6 +86,9 @@ def test_value_warmup_trains_only_the_value_model_first(tiny_cfg, vowel_reward):
     pipeline.run(cfg, 2)
     assert _adapter_change(cfg, POLICY, 0, 1) == 0.0 and _adapter_change(cfg, VALUE, 0, 1) > 0
     assert _adapter_change(cfg, POLICY, 1, 2) > 0
+    # the policy's optimiser did not step (nor its schedule advance) during the warm-up
+    steps = {i: int(load_file(cfg.layout.checkpoint(i).optimizer(POLICY))["step"]) for i in (1, 2)}
+    assert steps == {1: 0, 2: cfg.steps_per_iteration}
     per_iter = connect(cfg.artifact_root).sql(
         "SELECT iter, count(policy_loss), count(value_loss) FROM metrics GROUP BY iter ORDER BY iter"
     ).fetchall()

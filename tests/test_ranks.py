@@ -12,6 +12,7 @@ from safetensors.numpy import load_file
 from ppo_core import phases as P
 from ppo_core import pipeline
 from ppo_core.config import ConfigError
+from ppo_core.ranks import check_ranks
 from ppo_core.models import PPO_ADAPTERS
 from ppo_core.pipeline import Runner
 from ppo_core.train import TrainingError
@@ -69,3 +70,11 @@ def test_a_rank_that_dies_fails_the_phase_and_a_rerun_resumes(trained_once, monk
 def test_more_ranks_than_rollouts_per_minibatch_is_refused(trained_once):
     with pytest.raises(ConfigError, match="train_ranks=5 is more than the 4 rollouts of the smallest minibatch"):
         _retrain(trained_once, Runner(train_ranks=5))
+
+
+def test_the_ranks_check_counts_every_sample_of_a_prompt(tiny_cfg):
+    """8 prompts x 4 samples in 16 minibatches: 2 rollouts each, so 2 ranks fit and 3 do not."""
+    cfg = tiny_cfg(batch_size=8, samples_per_prompt=4, num_minibatches=16, advantage_estimator="rloo")
+    check_ranks(cfg, 2)
+    with pytest.raises(ConfigError, match=r"more than the 2 rollouts .*samples_per_prompt 4"):
+        check_ranks(cfg, 3)

@@ -102,3 +102,13 @@ def test_editing_the_reward_code_recomputes_the_rewards(tiny_cfg, tmp_path):
     last = pl.from_arrow(read_table(again.path("rewards"))).group_by("rollout_id").agg(pl.col("score").last()).sort("rollout_id")
     cut = np.array(read_table(args[0]).column("finish_reason").to_pylist()) == "length"
     np.testing.assert_allclose(last["score"].to_numpy(), -1.0 + cfg.missing_eos_penalty * cut, rtol=1e-6)
+
+
+def test_an_edited_module_is_reloaded_in_a_long_lived_process(tmp_path, monkeypatch):
+    """A worker that imported the module before the edit scores with the edited code (the one the cache key hashed)."""
+    (tmp_path / "edited_reward.py").write_text("def score(prompts, responses):\n    return [1.0] * len(responses)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = "python:edited_reward:score"
+    assert score_responses(make_reward(spec, 0, 1), ["p"], ["r"], np.array([1]))[0] == 1.0
+    (tmp_path / "edited_reward.py").write_text("def score(prompts, responses):\n    return [2.0] * len(responses)\n")
+    assert score_responses(make_reward(spec, 0, 1), ["p"], ["r"], np.array([1]))[0] == 2.0
