@@ -21,7 +21,7 @@ from ppo_core.config import PROJECT_ROOT, load_config
 from ppo_core.query import connect
 
 ROLLOUTS = 32
-KL = {"adaptive_kl": True, "kl_target": 2.0, "kl_horizon": ROLLOUTS}  # up to +-20% of kl_coef per iteration
+KL = {"adaptive_kl": True, "kl_target": 2.0, "kl_horizon": ROLLOUTS // 2}  # up to +-40% of kl_coef per iteration
 ESTIMATORS = {
     "ppo": {"advantage_estimator": "gae", "batch_size": ROLLOUTS},
     "reinforce_pp": {"advantage_estimator": "reinforce_pp", "batch_size": ROLLOUTS},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -230,21 +231,25 @@ def ui(
     port: int = typer.Option(5000),
     host: str = typer.Option("127.0.0.1"),
 ) -> None:
-    """Start the MLflow UI on the project's tracking store."""
+    """Start the MLflow UI on the project's tracking store (host-checked, same-origin only)."""
     import subprocess
 
-    cfg = load_config(overrides={"artifact_root": str(root)})
-    from ppo_core.track import EXPERIMENT, client, tracking_uri
+    from flows.serve import is_loopback, mlflow_ui_command
 
+    cfg = load_config(overrides={"artifact_root": str(root)})
+    from ppo_core.track import EXPERIMENT, client
+
+    if not is_loopback(host):
+        typer.secho(f"WARNING: the MLflow UI on {host} has no login: anyone who reaches it reads every run and "
+                    "model; put an authenticating proxy in front of it", fg="yellow", err=True)
     exp = client(cfg).get_experiment_by_name(EXPERIMENT)
     if exp is not None:
         # MLflow 3 opens experiments on its GenAI pages; PPO runs live under "Model training"
-        typer.echo(f"PPO runs, charts overlaid: http://{host}:{port}/#/experiments/{exp.experiment_id}/runs"
+        shown = "127.0.0.1" if host == "0.0.0.0" else host
+        typer.echo(f"PPO runs, charts overlaid: http://{shown}:{port}/#/experiments/{exp.experiment_id}/runs"
                    "?workflowType=machine_learning&compareRunsMode=CHART")
-    subprocess.run(
-        [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(cfg), "--host", host, "--port", str(port)],
-        check=False,
-    )
+    command, env = mlflow_ui_command(cfg, host, port, dict(os.environ))
+    subprocess.run(command, env=env, check=False)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,17 @@ set) and hands its address and token to the Prefect worker, so deployment runs
 with ``-p workers=N -p ray_address=auto`` shard their phases on it.
 Everything binds 127.0.0.1 unless asked otherwise, and everything started here
 is stopped on Ctrl-C (or SIGTERM).
+
+The Prefect API runs code as the worker for whoever reaches it, so the server
+is Prefect's app behind ``flows.prefect_app``'s host/origin guard, with CORS
+limited to its own origin and CSRF protection on. A host other than loopback
+is refused unless ``PREFECT_SERVER_API_AUTH_STRING`` is set (every request
+then needs it; the worker is handed it as ``PREFECT_API_AUTH_STRING``).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import signal
@@ -25,6 +32,83 @@ from ppo_core.config import PROJECT_ROOT
 from tasks.prefect_env import apply_defaults
 
 POOL = "ppo-process"
+AUTH_ENV = "PREFECT_SERVER_API_AUTH_STRING"
+
+
+class ServeError(RuntimeError):
+    """`ppo serve` refuses to start as asked; the message says why and what to do."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(host: str, port: int) -> list[str]:
+    """Host headers the server answers: its loopback names, and for another bind address this machine's names."""
+    names = {"127.0.0.1", "localhost", host}
+    if not is_loopback(host):
+        names |= {socket.gethostname(), socket.getfqdn()}
+        try:
+            names |= set(socket.gethostbyname_ex(socket.gethostname())[2])
+        except OSError:
+            pass
+        names |= {h.strip() for h in os.environ.get("PPO_SERVE_EXTRA_HOSTS", "").split(",") if h.strip()}
+    names.discard("0.0.0.0")
+    return sorted(f"{n}:{port}" for n in names)
+
+
+def server_env(host: str, port: int, env: dict[str, str]) -> dict[str, str]:
+    """The server's settings: the guard's lists, CORS to its own origins, CSRF on, the UI's API address."""
+    hosts = allowed_hosts(host, port)
+    origins = ",".join(f"http://{h}" for h in hosts)
+    return {
+        **env,
+        "PPO_SERVE_ALLOWED_HOSTS": ",".join(hosts),
+        "PPO_SERVE_ALLOWED_ORIGINS": origins,
+        "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": origins,
+        "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
+        "PREFECT_SERVER_API_HOST": host,
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_UI_API_URL": f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}/api",
+    }
+
+
+# Inherited settings that would widen the MLflow server's host and origin checks or turn them off
+MLFLOW_WEAKENING = (
+    "MLFLOW_SERVER_ALLOWED_HOSTS", "MLFLOW_SERVER_CORS_ALLOWED_ORIGINS",
+    "MLFLOW_SERVER_DISABLE_SECURITY_MIDDLEWARE", "MLFLOW_SERVER_X_FRAME_OPTIONS",
+)
+
+
+def mlflow_ui_command(cfg, host: str, port: int, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """`mlflow ui` on the run store with explicit host/origin lists, and an environment that cannot loosen them."""
+    from ppo_core.track import tracking_uri
+
+    hosts = allowed_hosts(host, port)
+    command = [
+        sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(cfg), "--host", host, "--port", str(port),
+        "--allowed-hosts", ",".join(hosts), "--cors-allowed-origins", ",".join(f"http://{h}" for h in hosts),
+        "--x-frame-options", "SAMEORIGIN",
+    ]  # fmt: skip
+    return command, {k: v for k, v in env.items() if k not in MLFLOW_WEAKENING}
+
+
+def check_host(host: str, env: dict[str, str], log=print) -> None:
+    """Loopback by default; anything else only with an auth string, and never silently."""
+    if is_loopback(host):
+        return
+    if not env.get(AUTH_ENV):
+        raise ServeError(
+            f"refusing to serve the Prefect API on {host}: anyone who reaches it can run code as the worker. "
+            f"Set {AUTH_ENV}=<user>:<password> (clients then need PREFECT_API_AUTH_STRING) or keep --host 127.0.0.1"
+        )
+    log(f"WARNING: the Prefect API listens on {host}, beyond this machine; it is protected only by "
+        f"{AUTH_ENV} (use TLS in front of it on an untrusted network)")
 
 
 def _bin(name: str) -> str:
@@ -96,8 +180,16 @@ def serve(
     host: str = "127.0.0.1", port: int = 4200, ray_workers: int = 0, startup_timeout: float = 180.0, log=print
 ) -> int:
     """Start server, pool, deployment, worker (and a Ray head); block until interrupted; stop them all."""
-    api_url = f"http://{host}:{port}/api"
+    client_host = "127.0.0.1" if host == "0.0.0.0" else host
+    api_url = f"http://{client_host}:{port}/api"
     env = apply_defaults({**os.environ, "PREFECT_API_URL": api_url})
+    try:
+        check_host(host, env, log)
+    except ServeError as exc:
+        log(f"error: {exc}")
+        return 2
+    if env.get(AUTH_ENV):
+        env["PREFECT_API_AUTH_STRING"] = env[AUTH_ENV]  # the worker and the CLI calls below authenticate
     procs: list[subprocess.Popen] = []
     stop = {"now": False}
 
@@ -109,8 +201,10 @@ def serve(
         log(f"starting Prefect server on {api_url} ...")
         # own process groups: a terminal's Ctrl-C reaches only us, and we stop the children in order
         server = subprocess.Popen(
-            [_bin("prefect"), "server", "start", "--host", host, "--port", str(port)], env=env, start_new_session=True
-        )
+            [sys.executable, "-m", "uvicorn", "--factory", "flows.prefect_app:create_app", "--host", host,
+             "--port", str(port), "--log-level", "warning"],
+            env=server_env(host, port, env), cwd=PROJECT_ROOT, start_new_session=True,
+        )  # fmt: skip
         procs.append(server)
         _wait_healthy(api_url, server, startup_timeout)
         pools = subprocess.run([_bin("prefect"), "work-pool", "ls"], env=env, capture_output=True, text=True, check=True)
@@ -125,7 +219,7 @@ def serve(
             [_bin("prefect"), "worker", "start", "--pool", POOL], env=worker_env, cwd=PROJECT_ROOT, start_new_session=True
         )
         procs.append(worker)
-        log(f"ready: deployment 'ppo/iterate' on pool '{POOL}'. UI: http://{host}:{port}")
+        log(f"ready: deployment 'ppo/iterate' on pool '{POOL}'. UI: http://{client_host}:{port}")
         log(f"  PREFECT_API_URL={api_url} prefect deployment run ppo/iterate -p run=<name> -p iterations=N")
         if ray_workers:
             log(f"  Ray head on {worker_env['RAY_ADDRESS']}: add -p workers={ray_workers} -p ray_address=auto")

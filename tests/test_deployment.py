@@ -110,3 +110,34 @@ def test_deployment_iterates_and_resumes(served, tiny_cfg):
     assert "Failed" in bad.stdout + bad.stderr
     assert not (Path(overrides["artifact_root"]) / "run=../escape").exists()
     assert sorted(p.name for p in Path(overrides["artifact_root"]).glob("run=*")) == ["run=deployed"]
+
+
+def _request(url: str, method: str = "GET", headers: dict | None = None, data: bytes | None = None) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, method=method, headers=headers or {}, data=data)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_the_served_api_refuses_foreign_hosts_origins_and_requests_without_csrf(served):
+    """DNS rebinding (a foreign Host), a cross-site page (a foreign Origin) and a token-less POST never reach Prefect."""
+    api = served["PREFECT_API_URL"]
+    port = api.rsplit(":", 1)[1].split("/")[0]
+    assert _request(f"{api}/health")[0] == 200
+    status, body = _request(f"{api}/health", headers={"Host": f"evil.example:{port}"})
+    assert status == 403 and "evil.example" in body
+    json_post = {"Content-Type": "application/json"}
+    status, body = _request(f"{api}/flows/filter", "POST", {**json_post, "Origin": "http://evil.example"}, b"{}")
+    assert status == 403 and "cross-origin" in body
+    preflight = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
+    assert _request(f"{api}/flows/filter", "OPTIONS", preflight)[0] == 403
+    status, body = _request(f"{api}/flows/filter", "POST", json_post, b"{}")
+    assert status == 403 and "csrf" in body.lower()
+    # the CLI (and the worker) still work: they fetch a CSRF token and send no Origin
+    listed = subprocess.run([str(BIN / "prefect"), "deployment", "ls"], env=served, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and "iterate" in listed.stdout, listed.stderr

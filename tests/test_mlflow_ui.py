@@ -67,6 +67,8 @@ def mlflow_ui(two_runs):
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("ppo")), "ui", "--root", str(cfg.artifact_root), "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        # inherited settings that would switch MLflow's host/origin checks off: `ppo ui` drops them
+        env={**os.environ, "MLFLOW_SERVER_DISABLE_SECURITY_MIDDLEWARE": "true", "MLFLOW_SERVER_ALLOWED_HOSTS": "*"},
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -140,3 +142,24 @@ def test_chart_view_overlays_both_runs_and_compare_page_shows_beta(mlflow_ui, tw
     assert report.locator("#fig-batch-heatmap svg").count() == 1
     page.screenshot(path=str(test_artifacts / "mlflow-report-artifact.png"), full_page=True)
     assert errors == []
+
+
+def test_the_ui_refuses_a_rebound_host_and_a_cross_site_origin(mlflow_ui):
+    import urllib.error
+    import urllib.request
+
+    url, _ = mlflow_ui
+    port = url.rsplit(":", 1)[1]
+
+    def status(headers: dict) -> int:  # a state-changing method: what a cross-site page would need
+        req = urllib.request.Request(f"{url}/api/2.0/mlflow/experiments/search", method="POST", data=b'{"max_results": 1}',
+                                     headers={"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert status({}) == 200
+    assert status({"Host": f"rebound.example:{port}"}) in (400, 403)
+    assert status({"Origin": "http://evil.example"}) in (400, 403)

@@ -1,0 +1,75 @@
+"""What the servers expose: the host/origin guard, the refusal of a bare non-loopback host, MLflow's flags."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flows.prefect_app import HostOriginGuard
+from flows.serve import allowed_hosts, is_loopback, mlflow_ui_command, serve, server_env
+from ppo_core.config import load_config
+
+
+async def _ok_app(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def _call(guard: HostOriginGuard, headers: dict[str, str]) -> int:
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request"}
+
+    scope = {"type": "http", "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
+    asyncio.run(guard(scope, receive, send))
+    return sent[0]["status"]
+
+
+def test_the_guard_passes_its_own_host_and_origin_only():
+    guard = HostOriginGuard(_ok_app, {"127.0.0.1:4200", "localhost:4200"}, {"http://127.0.0.1:4200"})
+    assert _call(guard, {"host": "127.0.0.1:4200"}) == 200
+    assert _call(guard, {"host": "LOCALHOST:4200", "origin": "http://127.0.0.1:4200"}) == 200
+    assert _call(guard, {"host": "rebound.example:4200"}) == 403
+    assert _call(guard, {"host": "127.0.0.1:4200", "origin": "https://evil.example"}) == 403
+    assert _call(guard, {}) == 403  # no Host at all
+
+
+def test_loopback_hosts_and_the_lists_the_server_gets():
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("box.example")
+    assert allowed_hosts("127.0.0.1", 4200) == ["127.0.0.1:4200", "localhost:4200"]
+    env = server_env("127.0.0.1", 4200, {})
+    assert env["PREFECT_SERVER_CSRF_PROTECTION_ENABLED"] == "true"
+    assert env["PREFECT_SERVER_CORS_ALLOWED_ORIGINS"] == "http://127.0.0.1:4200,http://localhost:4200"
+    assert "0.0.0.0:4200" not in allowed_hosts("0.0.0.0", 4200)
+
+
+def test_a_non_loopback_host_without_an_auth_string_is_refused(monkeypatch):
+    monkeypatch.delenv("PREFECT_SERVER_API_AUTH_STRING", raising=False)
+    said = []
+    assert serve(host="0.0.0.0", port=1, log=said.append) == 2  # before any process starts
+    assert "refusing to serve the Prefect API on 0.0.0.0" in said[0] and "PREFECT_SERVER_API_AUTH_STRING" in said[0]
+
+
+def test_mlflow_ui_gets_explicit_guards_and_no_inherited_loosening(tmp_path):
+    cfg = load_config(None, {"artifact_root": tmp_path})
+    loosened = {"MLFLOW_SERVER_DISABLE_SECURITY_MIDDLEWARE": "true", "MLFLOW_SERVER_ALLOWED_HOSTS": "*",
+                "MLFLOW_SERVER_CORS_ALLOWED_ORIGINS": "*", "PATH": "/usr/bin"}
+    command, env = mlflow_ui_command(cfg, "127.0.0.1", 5000, loosened)
+    assert env == {"PATH": "/usr/bin"}
+    flags = dict(zip(command[::1], command[1::1]))
+    assert flags["--allowed-hosts"] == "127.0.0.1:5000,localhost:5000"
+    assert flags["--cors-allowed-origins"] == "http://127.0.0.1:5000,http://localhost:5000"
+    assert flags["--x-frame-options"] == "SAMEORIGIN"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_loopback_needs_no_auth_string(host):
+    from flows.serve import check_host
+
+    check_host(host, {})
