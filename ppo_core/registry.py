@@ -79,9 +79,15 @@ def register_policy(cfg: PPOConfig, iteration: int):
         "base_model": cfg.model,
         **policy_identity(cfg),
         **_provenance(cfg, iteration),
-        # the hash of what the source holds, so a loader can tell a replaced artifact
-        "adapter_sha256": _artifact_sha256(mlf, run_id, f"{artifact_dir}/{POLICY_FILE}"),
+        # the hash the iteration's manifest recorded for its checkpoint: what training wrote
+        "adapter_sha256": _manifest_sha256(cfg, iteration),
     }
+    uploaded = _artifact_sha256(mlf, run_id, f"{artifact_dir}/{POLICY_FILE}")
+    if uploaded != tags["adapter_sha256"]:
+        raise RegistryError(
+            f"the policy adapter logged for iteration {iteration} of run '{cfg.run}' (sha256 {uploaded[:12]}…) is not "
+            f"the checkpoint its manifest recorded ({tags['adapter_sha256'][:12]}…): refusing to register it"
+        )
     eval_score = _metric_at(mlf, run_id, "evaluate/eval_score", iteration)
     if eval_score is not None:
         tags["eval_score"] = repr(eval_score)
@@ -122,7 +128,9 @@ def download_policy(cfg: PPOConfig, version: int | str, dst_dir: Path):
     except (MlflowException, OSError) as exc:
         raise RegistryError(f"cannot download the policy adapter of {where}: {exc}") from exc
     recorded = mv.tags.get("adapter_sha256")
-    if recorded and sha256_file(Path(local)) != recorded:
+    if not recorded:
+        raise RegistryError(f"{where} has no adapter_sha256 tag: it cannot be checked, so it is not loaded")
+    if sha256_file(Path(local)) != recorded:
         raise RegistryError(
             f"the policy adapter of {where} is not the file registered (sha256 differs from tag "
             f"adapter_sha256 {recorded[:12]}…): the artifact was altered or replaced"
@@ -189,6 +197,16 @@ def _ensure_policy_logged(mlf, cfg: PPOConfig, run_id: str, iteration: int) -> s
     return artifact_dir
 
 
+def _manifest_sha256(cfg: PPOConfig, iteration: int) -> str:
+    """The policy adapter's sha256 as iteration ``iteration``'s manifest recorded it."""
+    path = cfg.layout.manifest(iteration)
+    rel = str(cfg.layout.checkpoint(iteration).adapter(POLICY).resolve().relative_to(cfg.layout.run_dir.resolve()))
+    try:
+        return json.loads(path.read_text())["artifacts"][rel]
+    except (OSError, KeyError, json.JSONDecodeError) as exc:
+        raise RegistryError(f"iteration {iteration} of run '{cfg.run}' has no manifest entry for {rel} ({path}): {exc}") from None
+
+
 def _artifact_sha256(mlf, run_id: str, path: str) -> str:
     with tempfile.TemporaryDirectory() as tmp, _quiet_download():
         return sha256_file(Path(mlf.download_artifacts(run_id, path, tmp)))
@@ -223,7 +241,7 @@ Load it onto the base model and generate (Python, this project installed):
     print(registry.generate_text(model, ["How was your day?"]))
 
 The files alone (this policy adapter and the value adapter of the same iteration): \
-`mlflow artifacts download -u models:/{name}/{version}` with MLFLOW_TRACKING_URI={track.tracking_uri(cfg)}.
+`mlflow artifacts download -u models:/{name}/{version}` with MLFLOW_TRACKING_URI={track.shareable_uri(track.tracking_uri(cfg))}.
 """
 
 

@@ -26,6 +26,17 @@ def tracking_uri(cfg: PPOConfig) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{mlflow_db(cfg.artifact_root).resolve()}"
 
 
+def shareable_uri(uri: str) -> str:
+    """``uri`` without credentials: no user:password, no query (where drivers take passwords), for text others read."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if not parts.netloc:
+        return uri
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
 def registry_uri(cfg: PPOConfig) -> str:
     """MLFLOW_REGISTRY_URI if set, else the tracking store (SQL stores hold the registry too)."""
     return os.environ.get("MLFLOW_REGISTRY_URI") or tracking_uri(cfg)

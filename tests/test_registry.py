@@ -148,6 +148,32 @@ def test_an_untracked_iteration_is_logged_when_registered_and_an_altered_artifac
         registry.load_registered_policy(cfg, 1)
 
 
+def test_registration_checks_the_upload_against_the_manifest_and_loading_needs_the_hash_tag(tiny_cfg):
+    cfg = tiny_cfg(run="tampered")
+    pipeline.start(cfg)
+    mv = registry.register_policy(cfg, 0)
+    mlf = track.client(cfg)
+    mlf.delete_model_version_tag(mv.name, mv.version, "adapter_sha256")
+    with pytest.raises(registry.RegistryError, match="has no adapter_sha256 tag: it cannot be checked"):
+        registry.load_registered_policy(cfg, int(mv.version))
+    # an uploaded copy that is not the checkpoint the manifest recorded is never registered
+    logged = next(mlruns_dir(cfg.artifact_root).rglob(f"{track.adapter_artifact_dir(0)}/{registry.POLICY_FILE}"))
+    logged.write_bytes(logged.read_bytes()[:-1] + b" ")
+    mlf.delete_model_version(mv.name, mv.version)
+    with pytest.raises(registry.RegistryError, match="is not the checkpoint its manifest recorded"):
+        registry.register_policy(cfg, 0)
+
+
+def test_the_version_description_shows_no_credentials(two_flow_runs, monkeypatch):
+    assert track.shareable_uri("postgresql://ppo:s3cret@db.example:5432/mlflow?sslmode=require&password=x") == \
+        "postgresql://db.example:5432/mlflow"
+    assert track.shareable_uri("sqlite:////work/a/mlflow.db") == "sqlite:////work/a/mlflow.db"
+    cfg, first, _ = two_flow_runs
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://admin:hunter2@mlflow.example:5000")
+    text = registry._how_to_load(cfg, first.name, first.version, first.tags)
+    assert "hunter2" not in text and "admin" not in text and "MLFLOW_TRACKING_URI=http://mlflow.example:5000" in text
+
+
 @pytest.mark.usefixtures("prefect_server")
 def test_the_prefect_flow_registers_its_final_policy(tiny_cfg):
     from flows.ppo import ppo
