@@ -14,8 +14,10 @@ from typing import Any
 
 import ppo_core  # noqa: F401  (loads OpenBLAS before mlx)
 from prefect import flow, get_run_logger
+from prefect.runtime import deployment
 
 from ppo_core import pipeline
+from ppo_core.allowed_paths import check_allowed_paths
 from ppo_core.config import load_config
 from tasks.cluster import execution
 
@@ -41,5 +43,7 @@ def ppo(
     if iterations < 1:
         raise ValueError(f"parameter 'iterations' must be >= 1 (got {iterations})")
     cfg = load_config(config, {**(overrides or {}), "run": run})
+    if deployment.id is not None:  # parameters chosen by whoever may start a run: only paths under the allowed roots
+        check_allowed_paths(cfg, config)
     with execution(workers, ray_address, train_ranks, cfg) as runner:
         return pipeline.run_tracked(cfg, iterations, runner, get_run_logger().info)

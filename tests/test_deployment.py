@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ppo_core import track
-from ppo_core.config import PPOConfig
+from ppo_core.config import PROJECT_ROOT, PPOConfig
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -38,10 +38,12 @@ def _procs_with_env(marker: str) -> list[int]:
 
 
 @pytest.fixture
-def served(tmp_path):
+def served(tmp_path, tmp_path_factory):
     port = _free_port()
     home = tmp_path / "prefect-home"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    # the worker's allowed roots: the tests' temporary folders (tiny model, artifact roots) and the shipped data
+    env["PPO_ALLOWED_ROOTS"] = os.pathsep.join([str(tmp_path_factory.getbasetemp()), str(PROJECT_ROOT / "data")])
     env.pop("PPO_KILL_AT", None)
     proc = subprocess.Popen(
         [str(BIN / "ppo"), "serve", "--port", str(port), "--ray-workers", "2"],
@@ -110,6 +112,22 @@ def test_deployment_iterates_and_resumes(served, tiny_cfg):
     assert "Failed" in bad.stdout + bad.stderr
     assert not (Path(overrides["artifact_root"]) / "run=../escape").exists()
     assert sorted(p.name for p in Path(overrides["artifact_root"]).glob("run=*")) == ["run=deployed"]
+
+    # a path outside the worker's allowed roots is refused, naming the parameter, before anything is read
+    passwd = _deployment_run(served, {"run": "peek", "iterations": 1, "overrides": {**overrides, "eval_prompts_path": "/etc/passwd"}})
+    assert passwd.returncode != 0
+    assert "'eval_prompts_path' = /etc/passwd" in _last_flow_run_message(served), passwd.stdout[-2000:]
+    assert not (Path(overrides["artifact_root"]) / "run=peek").exists()
+
+
+def _last_flow_run_message(env: dict) -> str:
+    """The newest flow run's final state message (what the Prefect UI shows), read through the API."""
+    code = ("import asyncio\nfrom prefect.client.orchestration import get_client\n"
+            "from prefect.client.schemas.sorting import FlowRunSort\n"
+            "async def main():\n    async with get_client() as c:\n"
+            "        [r] = await c.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)\n"
+            "        print(r.state.message)\nasyncio.run(main())\n")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
 
 
 def _request(url: str, method: str = "GET", headers: dict | None = None, data: bytes | None = None) -> tuple[int, str]:

@@ -73,3 +73,31 @@ def test_loopback_needs_no_auth_string(host):
     from flows.serve import check_host
 
     check_host(host, {})
+
+
+def test_deployment_paths_must_lie_under_the_allowed_roots(tmp_path, monkeypatch):
+    from ppo_core.allowed_paths import DEFAULT_ROOTS, ROOTS_ENV, check_allowed_paths
+    from ppo_core.config import PROJECT_ROOT, ConfigError
+
+    monkeypatch.delenv(ROOTS_ENV, raising=False)
+    check_allowed_paths(load_config(None, {}))  # the defaults are the project's own folders
+    assert DEFAULT_ROOTS[0] == PROJECT_ROOT / "artifacts"
+    with pytest.raises(ConfigError, match=r"'eval_prompts_path' = /etc/passwd"):
+        check_allowed_paths(load_config(None, {"eval_prompts_path": "/etc/passwd"}))
+    # a symlink inside a root that points outside it is outside
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "sneaky.jsonl").symlink_to("/etc/hostname")
+    monkeypatch.setenv(ROOTS_ENV, str(tmp_path / "data"))
+    cfg = load_config(None, {"prompts_path": tmp_path / "data" / "sneaky.jsonl", "artifact_root": tmp_path / "data" / "art"})
+    with pytest.raises(ConfigError, match=r"'prompts_path' = .*sneaky.jsonl.*'eval_prompts_path'.*PPO_ALLOWED_ROOTS"):
+        check_allowed_paths(cfg)
+    evil = tmp_path / "evil.py"
+    evil.write_text("def f(p, r):\n    return [0.0] * len(r)\n")
+    for overrides, name in [({"reward": f"python:{evil}:f"}, "reward"), ({"model": str(tmp_path)}, "model"),
+                            ({"reward": f"model:{tmp_path / 'rm.safetensors'}"}, "reward"),
+                            ({"artifact_root": str(tmp_path / "elsewhere")}, "artifact_root")]:
+        monkeypatch.delenv(ROOTS_ENV, raising=False)
+        with pytest.raises(ConfigError, match=f"'{name}' = "):
+            check_allowed_paths(load_config(None, overrides))
+    with pytest.raises(ConfigError, match=r"'config' = /etc/ppo.toml"):
+        check_allowed_paths(load_config(None, {}), "/etc/ppo.toml")
