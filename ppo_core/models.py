@@ -280,6 +280,10 @@ class PolicyValueModel:
         expected = self.trainable(adapter)
         if set(flat) != set(expected):
             raise ModelError(f"adapter file {path} does not match this model's {adapter} adapter layout")
+        wrong = [f"{k}: {tuple(flat[k].shape)} {flat[k].dtype} (expected {tuple(v.shape)} {v.dtype})"
+                 for k, v in sorted(expected.items()) if flat[k].shape != v.shape or flat[k].dtype != v.dtype]
+        if wrong:
+            raise ModelError(f"adapter file {path} has arrays of the wrong shape or dtype: {'; '.join(wrong[:3])}")
         self.assign(flat)
 
 

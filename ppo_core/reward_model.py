@@ -190,7 +190,10 @@ class LearnedReward:
         path = Path(path)
         if not path.is_file():
             raise ModelError(f"reward model file {path} does not exist")
-        _, meta = mx.load(str(path), return_metadata=True)
+        try:
+            _, meta = mx.load(str(path), return_metadata=True)
+        except Exception as exc:  # a damaged file: mx.load raises bare RuntimeError/ValueError
+            raise ModelError(f"cannot read reward model file {path}: {exc}") from exc
         if meta.get("adapter") != REWARD:
             raise ModelError(f"{path} is not a reward-model file (adapter={meta.get('adapter')!r})")
         if meta.get("model_dir") not in (None, model.model_dir.name):
@@ -207,7 +210,10 @@ class LearnedReward:
             )
         model.load_adapter(REWARD, path)
         self.model, self.normalize, self.batch_size = model, normalize, cfg_like.score_batch_size
-        self.mean, self.std = float(meta["score_mean"]), float(meta["score_std"])
+        try:
+            self.mean, self.std = float(meta["score_mean"]), float(meta["score_std"])
+        except (KeyError, ValueError) as exc:
+            raise ModelError(f"reward model file {path} lacks its score statistics ({exc}): retrain it with `ppo reward-model`") from None
         self.name = f"model:{path.name}"
 
     def __call__(self, prompts: list[str], responses: list[str], n_tokens: np.ndarray) -> np.ndarray:

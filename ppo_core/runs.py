@@ -86,6 +86,65 @@ def pin_config(cfg: PPOConfig) -> None:
     atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True))
 
 
+def pinned_files(cfg: PPOConfig) -> dict[str, Path]:
+    """Files a run's config names by path whose content must not change mid-run: the reward's and the base model's."""
+    from ppo_core.config import DEFAULT_MODEL
+
+    files: dict[str, Path] = {}
+    if cfg.model != DEFAULT_MODEL:  # SmolLM2 is pinned by the digest in its converted folder's name
+        for p in sorted(Path(cfg.model).expanduser().glob("model*.safetensors")):
+            files[f"base model {p.name}"] = p
+    if cfg.reward_model_file is not None:
+        files["reward model"] = cfg.reward_model_file
+    if cfg.reward_source_file is not None:
+        files["reward code"] = cfg.reward_source_file
+    return files
+
+
+def pin_files(cfg: PPOConfig) -> None:
+    """Record the sha256 of ``pinned_files`` in run.json on first use; refuse a later run if one changed.
+
+    Their paths are in the config, but not their bytes: retraining a reward
+    model in place would otherwise change a run's reward mid-run, silently.
+    """
+    path = cfg.layout.run_json
+    payload = json.loads(path.read_text())
+    now = {name: sha256_file(p) for name, p in pinned_files(cfg).items() if p.is_file()}
+    pinned = payload.get("pinned_sha256")
+    if pinned is None:
+        atomic_write_text(path, json.dumps({**payload, "pinned_sha256": now}, indent=2, sort_keys=True))
+        return
+    changed = sorted(name for name in set(pinned) | set(now) if pinned.get(name) != now.get(name))
+    if changed:
+        files = pinned_files(cfg)
+        raise ConfigError(
+            f"run '{cfg.run}' was started with other contents of: "
+            + "; ".join(f"{name} {files.get(name, '?')} (sha256 {str(pinned.get(name))[:12]}… then, "
+                        f"{str(now.get(name))[:12]}… now)" for name in changed)
+            + "; a run's reward and base model must not change mid-run: restore them or start a new run name"
+        )
+
+
+def damaged_checkpoint(cfg: PPOConfig, iteration: int) -> list[str]:
+    """Files of ``iteration``'s checkpoint that are missing or differ from what its manifest recorded."""
+    manifest = cfg.layout.manifest(iteration)
+    if not manifest.is_file():
+        return []  # an unfinished iteration: its phases verify their own outputs
+    recorded = json.loads(manifest.read_text()).get("artifacts", {})
+    run_dir = cfg.layout.run_dir.resolve()
+    ckpt_dir = cfg.layout.checkpoint(iteration).dir.resolve()
+    damaged = []
+    for rel, digest in sorted(recorded.items()):
+        p = run_dir / rel
+        if p.parent == ckpt_dir and (not p.is_file() or sha256_file(p) != digest):
+            damaged.append(rel)
+    return damaged
+
+
+class ArtifactIntegrityError(RuntimeError):
+    """A finished artifact differs from the hash its manifest recorded, and recomputing it did not help."""
+
+
 class RunBusyError(RuntimeError):
     """Another process is training the same run."""
 
@@ -105,7 +164,8 @@ def run_lock(cfg: PPOConfig):
         raise RunBusyError(f"run '{cfg.run}' is being trained by {holder}; wait for it to finish") from None
     fh.seek(0)
     fh.truncate()
-    fh.write(f"pid {os.getpid()}")
+    # on a shared filesystem the holder may be on another machine: name it
+    fh.write(f"pid {os.getpid()} on host {socket.gethostname()}")
     fh.flush()
     try:
         yield

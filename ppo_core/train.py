@@ -136,7 +136,13 @@ def save_optimizer(opt: optim.Optimizer, path: Path) -> None:
 
 
 def load_optimizer(opt: optim.Optimizer, path: Path) -> None:
-    opt.state = tree_unflatten(list(mx.load(str(path)).items()))
+    try:
+        state = mx.load(str(path))
+    except Exception as exc:  # mx.load raises bare RuntimeError/ValueError on a damaged file
+        raise TrainingError(f"cannot read optimiser state {path}: {exc}") from exc
+    if "step" not in state:
+        raise TrainingError(f"optimiser state {path} has no step counter: not an optimiser file of this project")
+    opt.state = tree_unflatten(list(state.items()))
 
 
 def _finite(name: str, value: mx.array, where: str) -> None:

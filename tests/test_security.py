@@ -101,3 +101,54 @@ def test_deployment_paths_must_lie_under_the_allowed_roots(tmp_path, monkeypatch
             check_allowed_paths(load_config(None, overrides))
     with pytest.raises(ConfigError, match=r"'config' = /etc/ppo.toml"):
         check_allowed_paths(load_config(None, {}), "/etc/ppo.toml")
+
+
+# ---------------------------------------------------------------- artifacts checked before use
+
+
+def test_a_damaged_checkpoint_is_recomputed_before_the_next_iteration_trains_on(tiny_cfg):
+    from ppo_core import pipeline, runs
+
+    cfg = tiny_cfg()
+    pipeline.run(cfg, 2)
+    adapter = cfg.layout.checkpoint(2).adapter("policy")
+    good = adapter.read_bytes()
+    adapter.write_bytes(good[:-8] + b"\x00" * 8)  # bit rot in the weights' last bytes: still a readable file
+    assert runs.damaged_checkpoint(cfg, 2) == ["iter=0002/checkpoint/policy_adapter.safetensors"]
+    pipeline.run(cfg, 1)
+    assert adapter.read_bytes() == good and runs.damaged_checkpoint(cfg, 2) == []
+    assert cfg.layout.completed_iterations() == [0, 1, 2, 3]
+
+
+def test_a_changed_reward_model_or_reward_code_is_refused_mid_run(tiny_cfg, vowel_reward):
+    from ppo_core import pipeline
+    from ppo_core.config import ConfigError
+
+    cfg = tiny_cfg(reward=vowel_reward, eval_size=0)
+    pipeline.run(cfg, 1)
+    code = cfg.reward_source_file
+    code.write_text(code.read_text() + "\n# retuned\n")
+    with pytest.raises(ConfigError, match=r"other contents of: reward code .*must not change mid-run"):
+        pipeline.run(cfg, 1)
+
+
+def test_adapter_and_optimiser_files_are_checked_before_they_load(tiny_cfg, tmp_path):
+    import mlx.core as mx
+
+    from ppo_core import phases as P
+    from ppo_core.models import ModelError
+    from ppo_core.train import TrainingError, load_optimizer, make_optimizer
+
+    cfg = tiny_cfg()
+    P.init_checkpoint(cfg)
+    model = P.model_for(cfg, cfg.layout.checkpoint(0))
+    flat = mx.load(str(cfg.layout.checkpoint(0).adapter("policy")))
+    key = sorted(flat)[0]
+    mx.save_safetensors(str(tmp_path / "wrong.safetensors"), {**flat, key: mx.zeros((3, 3))})
+    with pytest.raises(ModelError, match=r"wrong shape or dtype: .*\(3, 3\)"):
+        model.load_adapter("policy", tmp_path / "wrong.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ModelError, match="cannot read adapter file"):
+        model.load_adapter("policy", tmp_path / "junk.safetensors")
+    with pytest.raises(TrainingError, match="cannot read optimiser state"):
+        load_optimizer(make_optimizer(1e-3), tmp_path / "junk.safetensors")
