@@ -15,11 +15,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ppo_core.layout import RunLayout
+from ppo_core.layout import RunLayout, check_name
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "smollm2"
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # baselines from the other responses to the same prompt
@@ -41,16 +40,6 @@ def artifact_root_problem(root: Path) -> str | None:
         if any(c in part for c in "*?[]{}"):
             return f"folder '{part}' contains a glob character (one of *?[]{{}})"
     return None
-
-
-def check_name(v: str) -> str:
-    """A run or reward-model name becomes a folder or file name: no separators, no '..'."""
-    if not _RUN_NAME.match(v) or ".." in v:
-        raise ValueError(
-            "must be 1-100 characters of letters, digits, '_', '-' or '.', start with a letter "
-            "or digit, and contain no path separator or '..'"
-        )
-    return v
 
 
 class PPOConfig(BaseModel):

@@ -163,9 +163,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         (tmp / "source.json").write_text(
             json.dumps({"gguf": str(gguf_path), "converter_version": CONVERTER_VERSION}, indent=2)
         )
-        if out_dir.exists():
+        if (out_dir / "model.safetensors").is_file():  # a concurrent first run finished first: keep its copy
+            shutil.rmtree(tmp)
+            return out_dir
+        if out_dir.exists():  # an incomplete leftover (no weights): never a directory another process uses
             shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "model.safetensors").is_file():
+                raise
+            shutil.rmtree(tmp)  # lost the race to another process's identical conversion
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -28,6 +28,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _ITER_DIR = re.compile(r"^iter=(\d{4,})$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+def check_name(v: str) -> str:
+    """A run or reward-model name becomes a folder or file name: no separators, no '..'."""
+    if not _NAME.match(v) or ".." in v:
+        raise ValueError(
+            "must be 1-100 characters of letters, digits, '_', '-' or '.', start with a letter "
+            "or digit, and contain no path separator or '..'"
+        )
+    return v
 
 
 def iter_label(iteration: int) -> str:
@@ -51,7 +62,8 @@ def table_file(name: str) -> str:
 
 def table_glob(root: Path, name: str) -> Path:
     """Pattern matching table ``name`` of every iteration of every run (for DuckDB's read_parquet)."""
-    return Path(root) / "run=*" / "iter=*" / table_file(name)
+    # iteration folders only: a stray iter=foo folder would fail DuckDB's integer cast of the partition key
+    return Path(root) / "run=*" / "iter=[0-9][0-9][0-9][0-9]*" / table_file(name)
 
 
 def models_dir(root: Path) -> Path:
@@ -64,6 +76,10 @@ def converted_model_dir(root: Path, name: str) -> Path:
 
 
 def reward_model_path(root: Path, name: str) -> Path:
+    try:
+        check_name(name)
+    except ValueError as exc:
+        raise ValueError(f"reward model name {name!r}: {exc}") from None
     return Path(root) / "reward_models" / f"{name}.safetensors"
 
 
@@ -108,6 +124,13 @@ class RunLayout:
 
     root: Path
     run: str
+
+    def __post_init__(self) -> None:
+        # every reader (report, registry, queries) builds paths from a user-given name: refuse '../x' first
+        try:
+            check_name(self.run)
+        except ValueError as exc:
+            raise ValueError(f"run name {self.run!r}: {exc}") from None
 
     @property
     def run_dir(self) -> Path:

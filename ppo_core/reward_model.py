@@ -25,6 +25,7 @@ from ppo_core.generate import render_prompts
 from ppo_core.layout import reward_model_path, reward_model_sidecar
 from ppo_core.models import REWARD, ModelError, PolicyValueModel, load_policy_value_model
 from ppo_core.score import TRUNK_CHUNK, make_batch, trunk_activations
+from ppo_core.tables import atomic_write_text
 
 NORMALIZATIONS = ("none", "batch", "train")
 
@@ -175,7 +176,7 @@ def save_reward_model(model: PolicyValueModel, path: Path, cfg_like, result: Rew
     meta = {**lora_layout(cfg_like), "model_dir": model.model_dir.name, "score_mean": repr(result.score_mean),
             "score_std": repr(result.score_std), "eval_accuracy": repr(result.eval_accuracy)}
     model.save_adapter(REWARD, path, metadata=meta)
-    reward_model_sidecar(path).write_text(json.dumps({**meta, "history": result.history}, indent=2))
+    atomic_write_text(reward_model_sidecar(path), json.dumps({**meta, "history": result.history}, indent=2))
     return path
 
 

@@ -152,3 +152,47 @@ def test_adapter_and_optimiser_files_are_checked_before_they_load(tiny_cfg, tmp_
         model.load_adapter("policy", tmp_path / "junk.safetensors")
     with pytest.raises(TrainingError, match="cannot read optimiser state"):
         load_optimizer(make_optimizer(1e-3), tmp_path / "junk.safetensors")
+
+
+# ---------------------------------------------------------------- smaller ones
+
+
+def test_names_are_checked_before_any_path_is_built(tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from ppo_core import registry
+    from ppo_core.layout import RunLayout, reward_model_path
+
+    for bad in ("../etc", "a/b", ".."):
+        with pytest.raises(ValueError, match="run name"):
+            RunLayout(tmp_path, bad)
+        with pytest.raises(ValueError, match="reward model name"):
+            reward_model_path(tmp_path, bad)
+        with pytest.raises(ValueError, match="run name"):
+            registry.run_config(bad, tmp_path)
+    result = CliRunner().invoke(app, ["report", "--run", "../../etc", "--root", str(tmp_path)])
+    assert result.exit_code == 2 and "run name '../../etc'" in result.output
+
+
+def test_a_stray_iteration_folder_does_not_break_the_views(tiny_cfg):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ppo_core import pipeline
+    from ppo_core.query import connect
+
+    cfg = tiny_cfg(eval_size=2)
+    pipeline.run(cfg, 1)
+    stray = cfg.layout.run_dir / "iter=foo"
+    stray.mkdir()
+    pq.write_table(pa.table({"x": [1]}), stray / "eval.parquet")
+    assert cfg.layout.iterations() == [0, 1]
+    assert connect(cfg.artifact_root).sql("SELECT DISTINCT iter FROM eval ORDER BY iter").fetchall() == [(0,), (1,)]
+
+
+def test_the_flows_never_pickle_their_results():
+    from flows.ppo import ppo
+    from flows.reward_model import reward_model
+
+    assert ppo.persist_result is False and reward_model.persist_result is False
