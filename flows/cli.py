@@ -21,7 +21,7 @@ DEFAULT_ROOT = PPOConfig.model_fields["artifact_root"].default
 @app.command()
 def train(
     run: str = typer.Option("default", help="run name; re-using a name resumes/extends that run"),
-    iterations: int = typer.Option(3, min=1, help="iterations to run after the last completed one"),
+    iterations: int = typer.Option(3, min=1, max=1000, help="iterations to run after the last completed one"),
     config: Optional[Path] = typer.Option(None, help="TOML or JSON config file"),
     set_: list[str] = typer.Option([], "--set", help="config override key=value (repeatable)"),
     workers: int = typer.Option(0, min=0, help="run rollout/attribute/value/evaluate as N shards on Ray workers (0: in this process)"),

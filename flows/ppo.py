@@ -22,6 +22,9 @@ from ppo_core.config import load_config
 from tasks.cluster import execution
 
 
+MAX_ITERATIONS = 1000  # per flow run: a run continues where the last flow run stopped
+
+
 @flow(name="ppo", log_prints=True, validate_parameters=True, persist_result=False)
 def ppo(
     run: str = "default",
@@ -40,8 +43,8 @@ def ppo(
     ``auto``, ``host:port`` or ``ray://host:10001``); ``train_ranks`` > 1
     trains data-parallel on that many ``mx.distributed`` ranks.
     """
-    if iterations < 1:
-        raise ValueError(f"parameter 'iterations' must be >= 1 (got {iterations})")
+    if not 1 <= iterations <= MAX_ITERATIONS:
+        raise ValueError(f"parameter 'iterations' must be between 1 and {MAX_ITERATIONS} (got {iterations})")
     cfg = load_config(config, {**(overrides or {}), "run": run})
     if deployment.id is not None:  # parameters chosen by whoever may start a run: only paths under the allowed roots
         check_allowed_paths(cfg, config)

@@ -68,6 +68,11 @@ class PPOConfig(BaseModel):
         "grpo, dr_grpo and rloo compare the responses to one prompt, so need at least 2",
     )
     score_batch_size: int = Field(16, ge=1, le=1024, description="sequences per scoring forward pass")
+    generation_batch_size: int = Field(
+        64, ge=1, le=4096,
+        description="responses sampled side by side (rollout and evaluation run in chunks of this many): "
+        "bounds the sampler's KV cache",
+    )
 
     # --- reward ---
     reward: str = Field(

@@ -121,6 +121,21 @@ def generate(
     )
 
 
+def generate_chunked(
+    model: PolicyValueModel, prompt_ids: list[list[int]], *, chunk: int, seeds: list[int], **kwargs
+) -> Generation:
+    """``generate`` over ``chunk`` prompts at a time: the same tokens (each row keyed by its seed), bounded memory."""
+    parts = [
+        generate(model, prompt_ids[lo : lo + chunk], seeds=seeds[lo : lo + chunk], **kwargs)
+        for lo in range(0, len(prompt_ids), chunk)
+    ]
+    return Generation(
+        response_ids=[r for p in parts for r in p.response_ids],
+        finish_reasons=[f for p in parts for f in p.finish_reasons],
+        sampling_logprobs=[lp for p in parts for lp in p.sampling_logprobs],
+    )
+
+
 def decode_responses(model: PolicyValueModel, response_ids: list[list[int]]) -> list[str]:
     eos = set(model.eos_token_ids)
     return [model.tokenizer.decode([t for t in ids if t not in eos]) for ids in response_ids]

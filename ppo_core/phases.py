@@ -479,7 +479,7 @@ def _rollout_inputs(cfg: PPOConfig, iteration: int, checkpoint: Checkpoint) -> d
 
 
 def _rollout_rows(cfg: PPOConfig, iteration: int, shard: Shard, checkpoint: Checkpoint) -> pa.Table:
-    from ppo_core.generate import decode_responses, generate, render_prompts
+    from ppo_core.generate import decode_responses, generate_chunked, render_prompts
 
     prompts = load_prompts(cfg.prompts_path)
     # which prompts the iteration samples is a whole-batch choice; a shard takes its rows of it.
@@ -491,8 +491,9 @@ def _rollout_rows(cfg: PPOConfig, iteration: int, shard: Shard, checkpoint: Chec
     prompt_ids = render_prompts(model, chosen["prompt"].to_list())
     check_prompt_lengths(chosen, [len(p) for p in prompt_ids], cfg.max_new_tokens, _context_length(model), cfg.prompts_path)
     seeds = phase_row_seeds(cfg, iteration, "rollout", rollout_ids)
-    gen = generate(
-        model, prompt_ids, adapter=POLICY, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seeds=seeds
+    gen = generate_chunked(
+        model, prompt_ids, chunk=cfg.generation_batch_size, adapter=POLICY, max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature, seeds=seeds,
     )
     return _as_table("rollouts", {
         "rollout_id": rollout_ids.astype(np.int32),
@@ -563,7 +564,7 @@ def _evaluate_inputs(cfg: PPOConfig, iteration: int, checkpoint: Checkpoint) -> 
 
 def _evaluate_rows(cfg: PPOConfig, iteration: int, shard: Shard, checkpoint: Checkpoint) -> pa.Table:
     """Answers to the shard's held-out prompts; scored in ``_evaluate_finish`` over the whole set."""
-    from ppo_core.generate import decode_responses, generate, render_prompts
+    from ppo_core.generate import decode_responses, generate_chunked, render_prompts
 
     all_prompts = load_prompts(cfg.eval_prompts_path).head(cfg.eval_size)
     rows = shard.rows(all_prompts.height)
@@ -572,9 +573,10 @@ def _evaluate_rows(cfg: PPOConfig, iteration: int, shard: Shard, checkpoint: Che
     prompts = all_prompts[rows]
     model = model_for(cfg, checkpoint, (POLICY,))
     prompt_ids = render_prompts(model, prompts["prompt"].to_list())
-    gen = generate(
-        model, prompt_ids, adapter=POLICY, max_new_tokens=cfg.eval_max_new_tokens,
-        temperature=cfg.eval_temperature, top_p=1.0, seeds=phase_row_seeds(cfg, iteration, "evaluate", rows),
+    check_prompt_lengths(prompts, [len(p) for p in prompt_ids], cfg.eval_max_new_tokens, _context_length(model), cfg.eval_prompts_path)
+    gen = generate_chunked(
+        model, prompt_ids, chunk=cfg.generation_batch_size, adapter=POLICY, max_new_tokens=cfg.eval_max_new_tokens,
+        temperature=cfg.eval_temperature, seeds=phase_row_seeds(cfg, iteration, "evaluate", rows),
     )
     return _as_table("eval", {
         "prompt_id": prompts["prompt_id"].to_list(),

@@ -11,11 +11,20 @@ class PromptsError(ValueError):
     """The prompts file is missing, empty, not UTF-8, or malformed."""
 
 
+MAX_PROMPTS_BYTES = 256 << 20  # read whole; far beyond any prompt set sampled a batch at a time
+
+
 def load_prompts(path: Path) -> pl.DataFrame:
     """Columns prompt_id (str), prompt (str); validated, order preserved."""
     path = Path(path)
     if not path.is_file():
         raise PromptsError(f"prompts file {path} does not exist")
+    size = path.stat().st_size
+    if size > MAX_PROMPTS_BYTES:
+        raise PromptsError(
+            f"prompts file {path} is {size / 2**20:.0f} MB, more than the {MAX_PROMPTS_BYTES >> 20} MB a prompts "
+            "file may hold (each iteration samples batch_size prompts of it): split or subsample it"
+        )
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")

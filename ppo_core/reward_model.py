@@ -28,6 +28,7 @@ from ppo_core.score import TRUNK_CHUNK, make_batch, trunk_activations
 from ppo_core.tables import atomic_write_text
 
 NORMALIZATIONS = ("none", "batch", "train")
+MAX_PREFERENCES_BYTES = 1 << 30
 
 
 class PreferenceError(ValueError):
@@ -39,6 +40,10 @@ def load_preferences(path: Path) -> pl.DataFrame:
     path = Path(path)
     if not path.is_file():
         raise PreferenceError(f"preference file {path} does not exist")
+    if path.stat().st_size > MAX_PREFERENCES_BYTES:
+        raise PreferenceError(
+            f"preference file {path} is larger than {MAX_PREFERENCES_BYTES >> 20} MB: it is read (and trained on) whole"
+        )
     try:
         df = pl.read_parquet(path) if path.suffix == ".parquet" else pl.read_ndjson(path)
     except Exception as exc:

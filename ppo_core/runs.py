@@ -38,6 +38,9 @@ def check_inputs(cfg: PPOConfig) -> None:
         )
     if cfg.eval_size:
         load_prompts(cfg.eval_prompts_path)
+    from ppo_core.memory import check_memory
+
+    check_memory(cfg)  # before any model loads: a config too large for this machine is refused, fields named
     if cfg.reward_model_file is not None and not cfg.reward_model_file.is_file():
         raise ConfigError(f"config field 'reward': reward model file {cfg.reward_model_file} does not exist")
     if cfg.reward.startswith("python:"):

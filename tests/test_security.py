@@ -196,3 +196,64 @@ def test_the_flows_never_pickle_their_results():
     from flows.reward_model import reward_model
 
     assert ppo.persist_result is False and reward_model.persist_result is False
+
+
+# ---------------------------------------------------------------- bounded work
+
+
+def test_a_config_too_large_for_the_machine_is_refused_before_a_model_loads(tmp_path):
+    from ppo_core.config import ConfigError
+    from ppo_core.memory import GB, check_memory
+
+    assert check_memory(load_config(None, {}), available=24 * GB).total < 4 * GB  # the defaults fit easily
+    big = load_config(None, {"batch_size": 4096, "max_new_tokens": 2048, "artifact_root": tmp_path})
+    with pytest.raises(ConfigError, match=r"needs about \d+ GB .*more than this machine's 24 GB: lower batch_size"):
+        check_memory(big, available=24 * GB)
+    from ppo_core.runs import check_inputs
+
+    with pytest.raises(ConfigError, match="more than this machine's"):  # what every run does first
+        check_inputs(load_config(None, {"batch_size": 256, "samples_per_prompt": 16, "max_new_tokens": 2048,
+                                        "artifact_root": tmp_path}))
+
+
+def test_generation_in_chunks_samples_what_one_batch_would(tiny_cfg):
+    import numpy as np
+
+    from ppo_core import phases as P
+    from ppo_core.generate import generate, generate_chunked, render_prompts
+
+    cfg = tiny_cfg()
+    P.init_checkpoint(cfg)
+    model = P.model_for(cfg, cfg.layout.checkpoint(0))
+    prompts = render_prompts(model, ["a b c", "Tell me about the sea.", "Hi", "What should I cook tonight?", "x"])
+    kw = dict(adapter="policy", max_new_tokens=6, temperature=1.0, seeds=[5, 6, 7, 8, 9])
+    whole, chunked = generate(model, prompts, **kw), generate_chunked(model, prompts, chunk=2, **kw)
+    assert chunked.response_ids == whole.response_ids and chunked.finish_reasons == whole.finish_reasons
+    for a, b in zip(chunked.sampling_logprobs, whole.sampling_logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_iterations_and_input_files_are_bounded(tmp_path, monkeypatch):
+    from flows.ppo import MAX_ITERATIONS, ppo
+    from ppo_core import prompts
+    from ppo_core.prompts import PromptsError, load_prompts
+
+    with pytest.raises(ValueError, match=f"'iterations' must be between 1 and {MAX_ITERATIONS}"):
+        ppo.fn(run="x", iterations=MAX_ITERATIONS + 1)
+    big = tmp_path / "p.jsonl"
+    big.write_text('{"prompt": "hello"}\n' * 100)
+    monkeypatch.setattr(prompts, "MAX_PROMPTS_BYTES", 1000)
+    with pytest.raises(PromptsError, match="more than the 0 MB a prompts file may hold"):
+        load_prompts(big)
+
+
+def test_an_eval_prompt_longer_than_the_context_is_named(tiny_cfg, tmp_path):
+    from ppo_core import phases as P
+    from ppo_core.prompts import PromptsError
+
+    path = tmp_path / "eval.jsonl"
+    path.write_text('{"prompt_id": "ok", "prompt": "Hi"}\n{"prompt_id": "huge", "prompt": "' + "word " * 600 + '"}\n')
+    cfg = tiny_cfg(eval_prompts_path=path, eval_size=2)
+    P.init_checkpoint(cfg)
+    with pytest.raises(PromptsError, match=r"prompt 'huge' is \d+ tokens; with max_new_tokens=6 it exceeds the model context of 512"):
+        P.evaluate(cfg, 0, cfg.layout.checkpoint(0))
