@@ -75,7 +75,7 @@ def pin_config(cfg: PPOConfig) -> None:
     """
     path = cfg.layout.run_json
     if path.is_file():
-        pinned = json.loads(path.read_text())
+        pinned = read_json(path, "the run's pinned config")
         if pinned["training_hash"] != cfg.training_hash():
             old, new = pinned["config"], cfg.to_json_dict()
             diff = sorted(k for k in new if k not in ("run", "artifact_root") and old.get(k) != new[k])
@@ -111,7 +111,7 @@ def pin_files(cfg: PPOConfig) -> None:
     model in place would otherwise change a run's reward mid-run, silently.
     """
     path = cfg.layout.run_json
-    payload = json.loads(path.read_text())
+    payload = read_json(path, "the run's pinned config")
     now = {name: sha256_file(p) for name, p in pinned_files(cfg).items() if p.is_file()}
     pinned = payload.get("pinned_sha256")
     if pinned is None:
@@ -133,7 +133,7 @@ def damaged_checkpoint(cfg: PPOConfig, iteration: int) -> list[str]:
     manifest = cfg.layout.manifest(iteration)
     if not manifest.is_file():
         return []  # an unfinished iteration: its phases verify their own outputs
-    recorded = json.loads(manifest.read_text()).get("artifacts", {})
+    recorded = read_json(manifest, f"the manifest of iteration {iteration}").get("artifacts", {})
     run_dir = cfg.layout.run_dir.resolve()
     ckpt_dir = cfg.layout.checkpoint(iteration).dir.resolve()
     damaged = []
@@ -145,7 +145,15 @@ def damaged_checkpoint(cfg: PPOConfig, iteration: int) -> list[str]:
 
 
 class ArtifactIntegrityError(RuntimeError):
-    """A finished artifact differs from the hash its manifest recorded, and recomputing it did not help."""
+    """A run's bookkeeping file is damaged, or a finished artifact differs from its manifest even after recomputing."""
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A run's JSON file (run.json, a manifest), or an error naming it when it is damaged."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactIntegrityError(f"{what} {path} is damaged ({exc}); restore it or start a new run name") from None
 
 
 class RunBusyError(RuntimeError):
@@ -199,7 +207,7 @@ def write_manifest(cfg: PPOConfig, iteration: int, phase_results: list[dict[str,
     }
     path = cfg.layout.manifest(iteration)
     if path.is_file():
-        old = json.loads(path.read_text())
+        old = read_json(path, f"the manifest of iteration {iteration}")
         if old.get("artifacts") == artifacts and old.get("config_hash") == manifest["config_hash"]:
             return path  # a resumed iteration keeps the manifest that first described these bytes
     atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True))

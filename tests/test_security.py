@@ -257,3 +257,16 @@ def test_an_eval_prompt_longer_than_the_context_is_named(tiny_cfg, tmp_path):
     P.init_checkpoint(cfg)
     with pytest.raises(PromptsError, match=r"prompt 'huge' is \d+ tokens; with max_new_tokens=6 it exceeds the model context of 512"):
         P.evaluate(cfg, 0, cfg.layout.checkpoint(0))
+
+
+def test_a_damaged_run_json_or_manifest_is_named(tiny_cfg):
+    from ppo_core import pipeline, runs
+
+    cfg = tiny_cfg(eval_size=0)
+    pipeline.run(cfg, 1)
+    cfg.layout.manifest(1).write_text('{"artifacts": {')
+    with pytest.raises(runs.ArtifactIntegrityError, match=r"manifest of iteration 1 .*manifest.json is damaged"):
+        pipeline.run(cfg, 1)
+    cfg.layout.run_json.write_bytes(b"\xff\xfe not json")
+    with pytest.raises(runs.ArtifactIntegrityError, match=r"pinned config .*run.json is damaged"):
+        pipeline.run(cfg, 1)
