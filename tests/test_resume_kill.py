@@ -33,7 +33,8 @@ def _run(cfg: dict, kill_at: str | None = None) -> int:
 
 
 def _digest(run_dir: Path) -> dict[str, str]:
-    files = sorted(p for p in run_dir.rglob("*") if p.suffix in (".parquet", ".safetensors"))
+    # under final names only: a kill between writing and renaming leaves a ".<name>.<random>.tmp" file behind
+    files = sorted(p for p in run_dir.rglob("*") if p.suffix in (".parquet", ".safetensors") and not p.name.startswith("."))
     return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 

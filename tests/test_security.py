@@ -26,7 +26,11 @@ def _call(guard: HostOriginGuard, headers: dict[str, str]) -> int:
         return {"type": "http.request"}
 
     scope = {"type": "http", "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
-    asyncio.run(guard(scope, receive, send))
+    loop = asyncio.new_event_loop()  # not asyncio.run: other tests leave Prefect's loop policy behind
+    try:
+        loop.run_until_complete(guard(scope, receive, send))
+    finally:
+        loop.close()
     return sent[0]["status"]
 
 
