@@ -274,3 +274,29 @@ def test_a_damaged_run_json_or_manifest_is_named(tiny_cfg):
     cfg.layout.run_json.write_bytes(b"\xff\xfe not json")
     with pytest.raises(runs.ArtifactIntegrityError, match=r"pinned config .*run.json is damaged"):
         pipeline.run(cfg, 1)
+
+
+def test_the_run_lock_names_its_host(tiny_cfg):
+    import socket
+
+    from ppo_core.runs import RunBusyError, run_lock
+
+    cfg = tiny_cfg()
+    with run_lock(cfg):
+        with pytest.raises(RunBusyError, match=f"being trained by pid \\d+ on host {socket.gethostname()}"):
+            with run_lock(cfg):
+                pass
+
+
+@pytest.mark.slow
+def test_a_concurrent_first_conversion_keeps_the_finished_copy(tmp_path):
+    """The loser of two first runs converting SmolLM2 at once discards its copy; it never deletes the winner's."""
+    from ppo_core.convert import convert_gguf
+    from ppo_core.models import smollm2_gguf
+
+    out = tmp_path / "models" / "smollm2"
+    out.mkdir(parents=True)
+    (out / "model.safetensors").write_bytes(b"the other process's finished weights")
+    assert convert_gguf(smollm2_gguf(), out) == out
+    assert (out / "model.safetensors").read_bytes() == b"the other process's finished weights"
+    assert [p.name for p in out.parent.iterdir()] == ["smollm2"]  # no temporary folder left behind
