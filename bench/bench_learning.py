@@ -45,11 +45,15 @@ def run(
     iterations: int = 10,
     root: Path = PROJECT_ROOT / "artifacts",
     prefix: str = "learn-",
+    kl_coef: float = 0.05,
+    kl_target: float = KL["kl_target"],
+    kl_horizon: int = KL["kl_horizon"],
 ) -> None:
     """Train ``iterations`` iterations of one estimator's run (resumes where it stopped)."""
     from ppo_core.pipeline import run_tracked
 
-    cfg = load_config(None, {**KL, **ESTIMATORS[estimator], "run": f"{prefix}{estimator}", "artifact_root": root})
+    kl = {**KL, "kl_coef": kl_coef, "kl_target": kl_target, "kl_horizon": kl_horizon}
+    cfg = load_config(None, {**kl, **ESTIMATORS[estimator], "run": f"{prefix}{estimator}", "artifact_root": root})
     run_tracked(cfg, iterations)
 
 
