@@ -17,7 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import deployment
 
 from ppo_core import pipeline
-from ppo_core.allowed_paths import check_allowed_paths
+from ppo_core.allowed_paths import check_allowed_paths, check_config_file
 from ppo_core.config import load_config
 from tasks.cluster import execution
 
@@ -45,8 +45,11 @@ def ppo(
     """
     if not 1 <= iterations <= MAX_ITERATIONS:
         raise ValueError(f"parameter 'iterations' must be between 1 and {MAX_ITERATIONS} (got {iterations})")
+    from_deployment = deployment.id is not None  # parameters chosen by whoever may start a run
+    if from_deployment:
+        check_config_file(config)
     cfg = load_config(config, {**(overrides or {}), "run": run})
-    if deployment.id is not None:  # parameters chosen by whoever may start a run: only paths under the allowed roots
-        check_allowed_paths(cfg, config)
+    if from_deployment:  # only paths under the allowed roots, and the run uses them as checked
+        cfg = check_allowed_paths(cfg, config)
     with execution(workers, ray_address, train_ranks, cfg) as runner:
         return pipeline.run_tracked(cfg, iterations, runner, get_run_logger().info)

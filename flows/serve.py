@@ -59,7 +59,9 @@ def allowed_hosts(host: str, port: int) -> list[str]:
             pass
         names |= {h.strip() for h in os.environ.get("PPO_SERVE_EXTRA_HOSTS", "").split(",") if h.strip()}
     names.discard("0.0.0.0")
-    return sorted(f"{n}:{port}" for n in names)
+    bracketed = {f"[{n}]" if ":" in n else n for n in names}  # an IPv6 literal in a Host header
+    hosts = {f"{n}:{port}" for n in bracketed} | ({n for n in bracketed} if port == 80 else set())
+    return sorted(hosts)
 
 
 def server_env(host: str, port: int, env: dict[str, str]) -> dict[str, str]:

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from ppo_core.config import DEFAULT_MODEL, PROJECT_ROOT, ConfigError, PPOConfig
+from ppo_core.user_reward import parse_spec
 
 ROOTS_ENV = "PPO_ALLOWED_ROOTS"
 DEFAULT_ROOTS = (PROJECT_ROOT / "artifacts", PROJECT_ROOT / "data", PROJECT_ROOT / "examples")
@@ -50,13 +51,38 @@ def path_parameters(cfg: PPOConfig, config_file: str | Path | None) -> dict[str,
     return named
 
 
-def check_allowed_paths(cfg: PPOConfig, config_file: str | Path | None = None) -> None:
-    """Refuse, naming the parameter, any path outside the allowed roots."""
-    roots = allowed_roots()
-    outside = {name: p for name, p in path_parameters(cfg, config_file).items() if not _inside(p, roots)}
+def _refuse(outside: dict[str, Path], roots: list[Path]) -> None:
     if outside:
         raise ConfigError(
             "deployment parameter(s) outside the worker's allowed roots: "
             + "; ".join(f"'{name}' = {p}" for name, p in outside.items())
             + f" (allowed: {', '.join(str(r) for r in roots)}; the worker's {ROOTS_ENV} sets them)"
         )
+
+
+def check_config_file(config_file: str | Path | None) -> None:
+    """Before the file is opened: a config file outside the roots is never read (not even to say it is missing)."""
+    if config_file is not None:
+        roots = allowed_roots()
+        _refuse({} if _inside(Path(config_file), roots) else {"config": Path(config_file)}, roots)
+
+
+def check_allowed_paths(cfg: PPOConfig, config_file: str | Path | None = None) -> PPOConfig:
+    """Refuse, naming the parameter, any path outside the allowed roots; return ``cfg`` with those paths resolved.
+
+    The run then uses the absolute, symlink-free paths that were checked, in
+    this process and in every worker and rank it hands the config to.
+    """
+    if cfg.reward.startswith("python:") and not parse_spec(cfg.reward)[0].endswith(".py"):
+        # finding a module imports its parent packages: code would run before any check could refuse it
+        raise ConfigError("deployment parameter 'reward': a deployment takes python: rewards as files "
+                          "(python:<path/to/file.py>:<function>) under the allowed roots, not modules")
+    roots = allowed_roots()
+    named = path_parameters(cfg, config_file)
+    _refuse({name: p for name, p in named.items() if not _inside(p, roots)}, roots)
+    resolved = {k: Path(v).expanduser().resolve() for k, v in named.items() if k in ("artifact_root", "prompts_path", "eval_prompts_path")}
+    if "model" in named:
+        resolved["model"] = str(Path(cfg.model).expanduser().resolve())
+    if cfg.reward_model_file is not None:
+        resolved["reward"] = f"model:{cfg.reward_model_file.expanduser().resolve()}"
+    return cfg.model_copy(update=resolved)

@@ -21,7 +21,14 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "smollm2"
 
 
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # baselines from the other responses to the same prompt
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+# fields that change how, not what, a run computes: not part of its identity
+EXECUTION_ONLY = ("generation_batch_size",)
+# fields added after runs existed, whose default is those runs' behaviour
+ADDED_FIELDS = (
+    "samples_per_prompt", "advantage_estimator", "lr_schedule", "lr_warmup_steps", "lr_decay_iterations",
+    "lr_min_ratio", "value_warmup_iterations",
+)  # baselines from the other responses to the same prompt
 
 
 class ConfigError(ValueError):
@@ -246,10 +253,17 @@ class PPOConfig(BaseModel):
         return json.loads(self.model_dump_json())
 
     def training_hash(self) -> str:
-        """Hash of every field that changes what a run computes (not its name or location)."""
+        """Hash of every field that changes what a run computes (not its name or location).
+
+        A field added after runs existed is left out while it holds its default
+        (the behaviour those runs had), so they resume with their caches intact.
+        """
         d = self.to_json_dict()
-        for k in ("run", "artifact_root"):
+        for k in ("run", "artifact_root", *EXECUTION_ONLY):
             d.pop(k)
+        for k in ADDED_FIELDS:
+            if d.get(k) == PPOConfig.model_fields[k].default:
+                d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

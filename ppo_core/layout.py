@@ -63,7 +63,8 @@ def table_file(name: str) -> str:
 def table_glob(root: Path, name: str) -> Path:
     """Pattern matching table ``name`` of every iteration of every run (for DuckDB's read_parquet)."""
     # iteration folders only: a stray iter=foo folder would fail DuckDB's integer cast of the partition key
-    return Path(root) / "run=*" / "iter=[0-9][0-9][0-9][0-9]*" / table_file(name)
+    # (four digits: iterations 0-9999; iter=0002.bak and the like stay out too)
+    return Path(root) / "run=*" / "iter=[0-9][0-9][0-9][0-9]" / table_file(name)
 
 
 def models_dir(root: Path) -> Path:

@@ -25,6 +25,7 @@ F32 = 4
 SMOLLM2_DIMS = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                 "intermediate_size": 1536, "vocab_size": 49152}
 PROMPT_TOKENS_MARGIN = 64  # chat template tokens around a prompt
+CHARS_PER_TOKEN = 3  # BPE on English text averages ~4; 3 errs on the side of more tokens
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,13 @@ def model_dims(cfg: PPOConfig) -> dict[str, int]:
 
 
 def longest_prompt_tokens(*paths: Path) -> int:
-    """An upper bound on the longest prompt in tokens: its characters (a token is at least one), plus the template."""
+    """The longest prompt in tokens, estimated from its characters (no tokenizer loads here), plus the template."""
     from ppo_core.prompts import load_prompts
 
     longest = 0
     for p in paths:
         longest = max(longest, int(load_prompts(p)["prompt"].str.len_chars().max() or 0))
-    return longest + PROMPT_TOKENS_MARGIN
+    return -(-longest // CHARS_PER_TOKEN) + PROMPT_TOKENS_MARGIN
 
 
 def estimate(cfg: PPOConfig, dims: dict[str, int], prompt_tokens: int) -> MemoryEstimate:
@@ -101,12 +102,14 @@ def check_memory(cfg: PPOConfig, available: int | None = None) -> MemoryEstimate
     if not dims:
         return None
     paths = [cfg.prompts_path] + ([cfg.eval_prompts_path] if cfg.eval_size else [])
-    est = estimate(cfg, dims, longest_prompt_tokens(*paths))
+    prompt_tokens = longest_prompt_tokens(*paths)
+    est = estimate(cfg, dims, prompt_tokens)
     available = physical_memory() if available is None else available
     if est.total > 0.9 * available:
         raise ConfigError(
-            f"this config needs about {est.total / GB:.0f} GB ({est.describe()}), more than this machine's "
-            f"{available / GB:.0f} GB: lower batch_size x samples_per_prompt ({cfg.rollouts_per_iteration}), "
+            f"this config needs about {est.total / GB:.0f} GB ({est.describe()}; longest prompt about "
+            f"{prompt_tokens} tokens), more than this machine's {available / GB:.0f} GB: shorten the longest "
+            f"prompts, or lower batch_size x samples_per_prompt ({cfg.rollouts_per_iteration}), "
             f"max_new_tokens ({cfg.max_new_tokens}), eval_max_new_tokens ({cfg.eval_max_new_tokens}), "
             f"generation_batch_size ({cfg.generation_batch_size}), score_batch_size ({cfg.score_batch_size}) "
             f"or raise num_minibatches ({cfg.num_minibatches})"

@@ -91,7 +91,13 @@ def resolve_model_dir(model: str, artifact_root: Path) -> Path:
         digest = sha256_file(gguf)[:12]
         out = converted_model_dir(artifact_root, f"smollm2-135m-instruct-{digest}-c{CONVERTER_VERSION}")
         if not (out / "model.safetensors").is_file():
-            convert_gguf(gguf, out)
+            import fcntl
+
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open(out.parent / f".{out.name}.lock", "a") as lock:  # one converter at a time
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not (out / "model.safetensors").is_file():
+                    convert_gguf(gguf, out)
         return out
     path = Path(model).expanduser()
     if not path.is_dir():

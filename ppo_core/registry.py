@@ -79,10 +79,11 @@ def register_policy(cfg: PPOConfig, iteration: int):
         "base_model": cfg.model,
         **policy_identity(cfg),
         **_provenance(cfg, iteration),
-        # the hash the iteration's manifest recorded for its checkpoint: what training wrote
-        "adapter_sha256": _manifest_sha256(cfg, iteration),
     }
     uploaded = _artifact_sha256(mlf, run_id, f"{artifact_dir}/{POLICY_FILE}")
+    # the hash the iteration's manifest recorded for its checkpoint (what training wrote), where the run's
+    # files are at hand; from a machine with only the tracking server, the logged artifact's
+    tags["adapter_sha256"] = _manifest_sha256(cfg, iteration) if cfg.layout.manifest(iteration).is_file() else uploaded
     if uploaded != tags["adapter_sha256"]:
         raise RegistryError(
             f"the policy adapter logged for iteration {iteration} of run '{cfg.run}' (sha256 {uploaded[:12]}…) is not "
@@ -103,7 +104,7 @@ def policy_version(cfg: PPOConfig, version: int | str = "latest"):
     versions = {int(v.version): v for v in _all_versions(mlf, name)}
     if not versions:
         raise RegistryError(
-            f"registered model '{name}' has no versions in {track.registry_uri(cfg)}: "
+            f"registered model '{name}' has no versions in {track.shareable_uri(track.registry_uri(cfg))}: "
             f"a successful flow run of run '{cfg.run}' registers its final policy"
         )
     wanted = max(versions) if str(version).lower() == "latest" else _version_number(version)

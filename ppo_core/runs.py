@@ -78,7 +78,8 @@ def pin_config(cfg: PPOConfig) -> None:
         pinned = read_json(path, "the run's pinned config")
         if pinned["training_hash"] != cfg.training_hash():
             old, new = pinned["config"], cfg.to_json_dict()
-            diff = sorted(k for k in new if k not in ("run", "artifact_root") and old.get(k) != new[k])
+            fields = PPOConfig.model_fields
+            diff = sorted(k for k in new if k not in ("run", "artifact_root") and old.get(k, fields[k].default) != new[k])
             raise ConfigError(
                 f"run '{cfg.run}' was started with a different config (changed: "
                 + ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in diff)

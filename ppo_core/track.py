@@ -31,8 +31,8 @@ def shareable_uri(uri: str) -> str:
     from urllib.parse import urlsplit, urlunsplit
 
     parts = urlsplit(uri)
-    if not parts.netloc:
-        return uri
+    if not parts.netloc:  # sqlite:////path, postgresql:///db?password=...: keep the text up to the query
+        return uri.split("?", 1)[0].split("#", 1)[0]
     host = parts.netloc.rsplit("@", 1)[-1]
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 

@@ -211,7 +211,7 @@ def test_a_config_too_large_for_the_machine_is_refused_before_a_model_loads(tmp_
 
     assert check_memory(load_config(None, {}), available=24 * GB).total < 4 * GB  # the defaults fit easily
     big = load_config(None, {"batch_size": 4096, "max_new_tokens": 2048, "artifact_root": tmp_path})
-    with pytest.raises(ConfigError, match=r"needs about \d+ GB .*more than this machine's 24 GB: lower batch_size"):
+    with pytest.raises(ConfigError, match=r"needs about \d+ GB .*longest prompt about \d+ tokens\), more than this machine's 24 GB: shorten .* batch_size"):
         check_memory(big, available=24 * GB)
     from ppo_core.runs import check_inputs
 
@@ -300,3 +300,81 @@ def test_a_concurrent_first_conversion_keeps_the_finished_copy(tmp_path):
     assert convert_gguf(smollm2_gguf(), out) == out
     assert (out / "model.safetensors").read_bytes() == b"the other process's finished weights"
     assert [p.name for p in out.parent.iterdir()] == ["smollm2"]  # no temporary folder left behind
+
+
+def test_deployment_checks_come_before_reading_and_hand_on_resolved_paths(tmp_path, monkeypatch):
+    from ppo_core.allowed_paths import ROOTS_ENV, check_allowed_paths, check_config_file
+    from ppo_core.config import ConfigError
+
+    monkeypatch.delenv(ROOTS_ENV, raising=False)
+    with pytest.raises(ConfigError, match="'config' = /root/secret.toml"):
+        check_config_file("/root/secret.toml")  # refused without opening (or even stat-ing) it
+    with pytest.raises(ConfigError, match="python: rewards as files .* not modules"):
+        check_allowed_paths(load_config(None, {"reward": "python:this.x:f"}))
+    monkeypatch.setenv(ROOTS_ENV, str(tmp_path))
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "real" / "p.jsonl")
+    cfg = load_config(None, {"prompts_path": tmp_path / "link.jsonl", "eval_prompts_path": tmp_path / "real" / "p.jsonl",
+                             "artifact_root": tmp_path / "art"})
+    checked = check_allowed_paths(cfg)
+    assert checked.prompts_path == tmp_path / "real" / "p.jsonl"  # what was checked is what the run reads
+
+
+def test_ipv6_and_port_80_host_headers():
+    assert allowed_hosts("::1", 4200) == ["127.0.0.1:4200", "[::1]:4200", "localhost:4200"]
+    assert "localhost" in allowed_hosts("127.0.0.1", 80) and "localhost:80" in allowed_hosts("127.0.0.1", 80)
+
+
+def test_runs_pinned_before_new_fields_existed_still_resume(tiny_cfg):
+    import json
+
+    from ppo_core import pipeline, runs
+
+    cfg = tiny_cfg(eval_size=0)
+    pipeline.run(cfg, 1)
+    pinned = json.loads(cfg.layout.run_json.read_text())
+    for k in ("samples_per_prompt", "advantage_estimator", "lr_schedule", "generation_batch_size"):
+        pinned["config"].pop(k)  # as a run started before these fields existed wrote it
+    cfg.layout.run_json.write_text(json.dumps(pinned))
+    runs.pin_config(cfg)  # accepted: the missing fields hold their defaults
+    assert pipeline.run_iteration(cfg, 1)[0]["cached"]  # and the caches still match
+    assert cfg.model_copy(update={"generation_batch_size": 8}).training_hash() == cfg.training_hash()
+
+
+def test_a_backup_of_an_iteration_folder_stays_out_of_the_views(tiny_cfg):
+    import shutil
+
+    from ppo_core import pipeline
+    from ppo_core.query import connect
+
+    cfg = tiny_cfg(eval_size=2)
+    pipeline.run(cfg, 1)
+    shutil.copytree(cfg.layout.iter_dir(1), cfg.layout.run_dir / "iter=0001.bak")
+    assert connect(cfg.artifact_root).sql("SELECT DISTINCT iter FROM eval ORDER BY iter").fetchall() == [(0,), (1,)]
+
+
+def test_credentials_in_a_query_are_dropped_even_without_a_host():
+    from ppo_core.track import shareable_uri
+
+    assert shareable_uri("postgresql:///mlflow?user=u&password=s3cret") == "postgresql:///mlflow"
+
+
+def test_a_retrained_reward_model_is_refused_mid_run(tiny_cfg, tmp_path):
+    from ppo_core import pipeline
+    from ppo_core.config import ConfigError
+    from ppo_core.reward_model import train_from_file
+    from ppo_core.config import RewardModelSettings
+
+    pairs = tmp_path / "prefs.jsonl"
+    pairs.write_text("".join(
+        '{"prompt": "p%d", "chosen": "good %d", "rejected": "bad %d"}\n' % (i, i, i) for i in range(8)
+    ))
+    base = tiny_cfg()
+    settings = RewardModelSettings(data=pairs, name="rm", epochs=1, batch_size=4, eval_fraction=0.25)
+    path = train_from_file(base, settings)["path"]
+    cfg = tiny_cfg(run="rm-pinned", reward=f"model:{path}", eval_size=0)
+    pipeline.run(cfg, 1)
+    train_from_file(base, settings.model_copy(update={"epochs": 2}))  # retrained in place
+    with pytest.raises(ConfigError, match=r"other contents of: reward model .*must not change mid-run"):
+        pipeline.run(cfg, 1)
