@@ -17,6 +17,7 @@ then needs it; the worker is handed it as ``PREFECT_API_AUTH_STRING``).
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import secrets
 import signal
@@ -98,6 +99,27 @@ def mlflow_ui_command(cfg, host: str, port: int, env: dict[str, str]) -> tuple[l
         "--x-frame-options", "SAMEORIGIN",
     ]  # fmt: skip
     return command, {k: v for k, v in env.items() if k not in MLFLOW_WEAKENING}
+
+
+# Job variables a flow run may not set: the command the worker executes, its environment (which holds
+# PPO_ALLOWED_ROOTS and the credentials) and its working directory
+LOCKED_JOB_VARIABLES = ("command", "env", "working_dir")
+
+
+def locked_job_template(env: dict[str, str]) -> dict:
+    """Prefect's process-pool template without the job variables that would let a caller run code as the worker."""
+    out = subprocess.run(
+        [_bin("prefect"), "work-pool", "get-default-base-job-template", "--type", "process"],
+        env=env, capture_output=True, text=True, check=True,
+    )
+    template = json.loads(out.stdout)
+    for name in LOCKED_JOB_VARIABLES:
+        template["variables"]["properties"].pop(name, None)
+    template["variables"]["required"] = [r for r in template["variables"].get("required", []) if r not in LOCKED_JOB_VARIABLES]
+    for name in LOCKED_JOB_VARIABLES:
+        # absent, not empty: Prefect deep-merges a flow run's `env` into any dict it finds here
+        template["job_configuration"].pop(name, None)
+    return template
 
 
 def check_host(host: str, env: dict[str, str], log=print) -> None:
@@ -210,8 +232,11 @@ def serve(
         procs.append(server)
         _wait_healthy(api_url, server, startup_timeout)
         pools = subprocess.run([_bin("prefect"), "work-pool", "ls"], env=env, capture_output=True, text=True, check=True)
-        if POOL not in pools.stdout:
-            subprocess.run([_bin("prefect"), "work-pool", "create", POOL, "--type", "process"], env=env, check=True, capture_output=True)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+            json.dump(locked_job_template(env), fh)
+        verb = ["update", POOL] if POOL in pools.stdout else ["create", POOL, "--type", "process"]
+        subprocess.run([_bin("prefect"), "work-pool", *verb, "--base-job-template", fh.name], env=env, check=True, capture_output=True)
+        os.unlink(fh.name)
         subprocess.run([_bin("prefect"), "--no-prompt", "deploy", "--all"], env=env, cwd=PROJECT_ROOT, check=True, capture_output=True)
         worker_env = env
         if ray_workers:

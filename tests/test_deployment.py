@@ -119,6 +119,18 @@ def test_deployment_iterates_and_resumes(served, tiny_cfg):
     assert "'eval_prompts_path' = /etc/passwd" in _last_flow_run_message(served), passwd.stdout[-2000:]
     assert not (Path(overrides["artifact_root"]) / "run=peek").exists()
 
+    # nor can job variables loosen that or run a command: the pool's template does not take them
+    marker = Path(overrides["artifact_root"]).parent / "pwned"
+    sneaky = subprocess.run(
+        [str(BIN / "prefect"), "deployment", "run", "ppo/iterate", "--params",
+         json.dumps({"run": "peek2", "iterations": 1, "overrides": {**overrides, "eval_prompts_path": "/etc/passwd"}}),
+         "--job-variable", 'env={"PPO_ALLOWED_ROOTS": "/"}', "--job-variable", f"command=touch {marker}",
+         "--watch", "--watch-timeout", "600"],
+        env=served, capture_output=True, text=True, timeout=700,
+    )
+    assert sneaky.returncode != 0 and not marker.exists()
+    assert "'eval_prompts_path' = /etc/passwd" in _last_flow_run_message(served), sneaky.stdout[-2000:] + sneaky.stderr[-2000:]
+
 
 def _last_flow_run_message(env: dict) -> str:
     """The newest flow run's final state message (what the Prefect UI shows), read through the API."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -26,11 +27,10 @@ def _call(guard: HostOriginGuard, headers: dict[str, str]) -> int:
         return {"type": "http.request"}
 
     scope = {"type": "http", "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
-    loop = asyncio.new_event_loop()  # not asyncio.run: other tests leave Prefect's loop policy behind
-    try:
-        loop.run_until_complete(guard(scope, receive, send))
-    finally:
-        loop.close()
+    # in a thread of its own: earlier tests in this process may leave an event loop running in the main one
+    worker = threading.Thread(target=asyncio.run, args=(guard(scope, receive, send),))
+    worker.start()
+    worker.join()
     return sent[0]["status"]
 
 
