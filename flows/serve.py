@@ -77,7 +77,8 @@ def server_env(host: str, port: int, env: dict[str, str]) -> dict[str, str]:
         "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
         "PREFECT_SERVER_API_HOST": host,
         "PREFECT_SERVER_API_PORT": str(port),
-        "PREFECT_UI_API_URL": f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}/api",
+        # what the UI in a browser calls; on a shared host set it to the name people reach it by
+        "PREFECT_UI_API_URL": env.get("PREFECT_UI_API_URL") or f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}/api",
     }
 
 
