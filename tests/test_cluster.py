@@ -51,22 +51,31 @@ def _cluster_cpus(address: str, env: dict[str, str]) -> float:
 def ray_cluster(tmp_path_factory):
     """A head (1 CPU) and a second node (1 CPU) on 127.0.0.1, token auth on; both stopped afterwards."""
     temp = tmp_path_factory.mktemp("ray")
-    port = _free_port()
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
     env = {**os.environ, **auth}
     common = ["--block", "--num-cpus=1", f"--temp-dir={temp}"]
-    head = subprocess.Popen(
-        [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", f"--dashboard-port={_free_port()}",
-         f"--ray-client-server-port={_free_port()}", "--include-dashboard=false", *common],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    nodes = [head]
+    nodes: list[subprocess.Popen] = []
     try:
+        # a head that exits at once (a port Ray picks for itself was taken meanwhile) is started again on new ports
+        for attempt in range(3):
+            port = _free_port()
+            log = temp / f"head-{attempt}.log"
+            with open(log, "w") as out:
+                head = subprocess.Popen(
+                    [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                     f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+                     "--include-dashboard=false", *common],
+                    env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            nodes = [head]
+            deadline = time.monotonic() + 120
+            while not _port_open(port) and head.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if _port_open(port) and head.poll() is None:
+                break
+        else:
+            raise AssertionError("the Ray head did not start:\n" + log.read_text()[-3000:])
         address = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while not _port_open(port):
-            assert head.poll() is None and time.monotonic() < deadline, "the Ray head did not start"
-            time.sleep(0.5)
         nodes.append(subprocess.Popen(
             [RAY, "start", f"--address={address}", *common],
             env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
