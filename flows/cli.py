@@ -234,7 +234,7 @@ def ui(
     """Start the MLflow UI on the project's tracking store (host-checked, same-origin only)."""
     import subprocess
 
-    from flows.serve import is_loopback, mlflow_ui_command
+    from flows.serve import is_loopback, mlflow_ui_command, reachable_host
 
     cfg = load_config(overrides={"artifact_root": str(root)})
     from ppo_core.track import EXPERIMENT, client
@@ -245,8 +245,7 @@ def ui(
     exp = client(cfg).get_experiment_by_name(EXPERIMENT)
     if exp is not None:
         # MLflow 3 opens experiments on its GenAI pages; PPO runs live under "Model training"
-        shown = "127.0.0.1" if host == "0.0.0.0" else host
-        typer.echo(f"PPO runs, charts overlaid: http://{shown}:{port}/#/experiments/{exp.experiment_id}/runs"
+        typer.echo(f"PPO runs, charts overlaid: http://{reachable_host(host)}:{port}/#/experiments/{exp.experiment_id}/runs"
                    "?workflowType=machine_learning&compareRunsMode=CHART")
     command, env = mlflow_ui_command(cfg, host, port, dict(os.environ))
     subprocess.run(command, env=env, check=False)

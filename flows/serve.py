@@ -49,6 +49,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def reachable_host(host: str) -> str:
+    """The address a client on this machine uses for a server bound to ``host`` (0.0.0.0 is not one)."""
+    return "127.0.0.1" if host == "0.0.0.0" else host
+
+
+def origins(hosts: list[str]) -> str:
+    """The browser origins of ``hosts`` (Host header values), comma-separated."""
+    return ",".join(f"http://{h}" for h in hosts)
+
+
 def allowed_hosts(host: str, port: int) -> list[str]:
     """Host headers the server answers: its loopback names, and for another bind address this machine's names."""
     names = {"127.0.0.1", "localhost", host}
@@ -68,17 +78,16 @@ def allowed_hosts(host: str, port: int) -> list[str]:
 def server_env(host: str, port: int, env: dict[str, str]) -> dict[str, str]:
     """The server's settings: the guard's lists, CORS to its own origins, CSRF on, the UI's API address."""
     hosts = allowed_hosts(host, port)
-    origins = ",".join(f"http://{h}" for h in hosts)
     return {
         **env,
         "PPO_SERVE_ALLOWED_HOSTS": ",".join(hosts),
-        "PPO_SERVE_ALLOWED_ORIGINS": origins,
-        "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": origins,
+        "PPO_SERVE_ALLOWED_ORIGINS": origins(hosts),
+        "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": origins(hosts),
         "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
         "PREFECT_SERVER_API_HOST": host,
         "PREFECT_SERVER_API_PORT": str(port),
         # what the UI in a browser calls; on a shared host set it to the name people reach it by
-        "PREFECT_UI_API_URL": env.get("PREFECT_UI_API_URL") or f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}/api",
+        "PREFECT_UI_API_URL": env.get("PREFECT_UI_API_URL") or f"http://{reachable_host(host)}:{port}/api",
     }
 
 
@@ -96,7 +105,7 @@ def mlflow_ui_command(cfg, host: str, port: int, env: dict[str, str]) -> tuple[l
     hosts = allowed_hosts(host, port)
     command = [
         sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(cfg), "--host", host, "--port", str(port),
-        "--allowed-hosts", ",".join(hosts), "--cors-allowed-origins", ",".join(f"http://{h}" for h in hosts),
+        "--allowed-hosts", ",".join(hosts), "--cors-allowed-origins", origins(hosts),
         "--x-frame-options", "SAMEORIGIN",
     ]  # fmt: skip
     return command, {k: v for k, v in env.items() if k not in MLFLOW_WEAKENING}
@@ -116,10 +125,9 @@ def locked_job_template(env: dict[str, str]) -> dict:
     template = json.loads(out.stdout)
     for name in LOCKED_JOB_VARIABLES:
         template["variables"]["properties"].pop(name, None)
-    template["variables"]["required"] = [r for r in template["variables"].get("required", []) if r not in LOCKED_JOB_VARIABLES]
-    for name in LOCKED_JOB_VARIABLES:
         # absent, not empty: Prefect deep-merges a flow run's `env` into any dict it finds here
         template["job_configuration"].pop(name, None)
+    template["variables"]["required"] = [r for r in template["variables"].get("required", []) if r not in LOCKED_JOB_VARIABLES]
     return template
 
 
@@ -205,7 +213,7 @@ def serve(
     host: str = "127.0.0.1", port: int = 4200, ray_workers: int = 0, startup_timeout: float = 180.0, log=print
 ) -> int:
     """Start server, pool, deployment, worker (and a Ray head); block until interrupted; stop them all."""
-    client_host = "127.0.0.1" if host == "0.0.0.0" else host
+    client_host = reachable_host(host)
     api_url = f"http://{client_host}:{port}/api"
     env = apply_defaults({**os.environ, "PREFECT_API_URL": api_url})
     try:
@@ -233,11 +241,11 @@ def serve(
         procs.append(server)
         _wait_healthy(api_url, server, startup_timeout)
         pools = subprocess.run([_bin("prefect"), "work-pool", "ls"], env=env, capture_output=True, text=True, check=True)
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-            json.dump(locked_job_template(env), fh)
         verb = ["update", POOL] if POOL in pools.stdout else ["create", POOL, "--type", "process"]
-        subprocess.run([_bin("prefect"), "work-pool", *verb, "--base-job-template", fh.name], env=env, check=True, capture_output=True)
-        os.unlink(fh.name)
+        with tempfile.TemporaryDirectory() as tmp:
+            template = Path(tmp) / "job-template.json"
+            template.write_text(json.dumps(locked_job_template(env)))
+            subprocess.run([_bin("prefect"), "work-pool", *verb, "--base-job-template", str(template)], env=env, check=True, capture_output=True)
         subprocess.run([_bin("prefect"), "--no-prompt", "deploy", "--all"], env=env, cwd=PROJECT_ROOT, check=True, capture_output=True)
         worker_env = env
         if ray_workers:

@@ -19,16 +19,14 @@ from ppo_core.layout import RunLayout, check_name
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "smollm2"
-
-
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # baselines from the other responses to the same prompt
 # fields that change how, not what, a run computes: not part of its identity
 EXECUTION_ONLY = ("generation_batch_size",)
 # fields added after runs existed, whose default is those runs' behaviour
 ADDED_FIELDS = (
     "samples_per_prompt", "advantage_estimator", "lr_schedule", "lr_warmup_steps", "lr_decay_iterations",
     "lr_min_ratio", "value_warmup_iterations",
-)  # baselines from the other responses to the same prompt
+)
 
 
 class ConfigError(ValueError):

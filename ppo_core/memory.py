@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import polars as pl
+
 from ppo_core.config import DEFAULT_MODEL, ConfigError, PPOConfig
 
 GB = 1 << 30
@@ -54,13 +56,9 @@ def model_dims(cfg: PPOConfig) -> dict[str, int]:
         return {}  # resolve_model_dir reports a missing or broken model directory, by name
 
 
-def longest_prompt_tokens(*paths: Path) -> int:
+def longest_prompt_tokens(*prompt_sets: pl.DataFrame) -> int:
     """The longest prompt in tokens, estimated from its characters (no tokenizer loads here), plus the template."""
-    from ppo_core.prompts import load_prompts
-
-    longest = 0
-    for p in paths:
-        longest = max(longest, int(load_prompts(p)["prompt"].str.len_chars().max() or 0))
+    longest = max((int(p["prompt"].str.len_chars().max() or 0) for p in prompt_sets), default=0)
     return -(-longest // CHARS_PER_TOKEN) + PROMPT_TOKENS_MARGIN
 
 
@@ -96,13 +94,15 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_memory(cfg: PPOConfig, available: int | None = None) -> MemoryEstimate | None:
-    """Refuse a config whose estimate exceeds this machine's memory, naming the fields that size it."""
+def check_memory(cfg: PPOConfig, prompt_sets: list[pl.DataFrame], available: int | None = None) -> MemoryEstimate | None:
+    """Refuse a config whose estimate exceeds this machine's memory, naming the fields that size it.
+
+    ``prompt_sets``: the run's loaded prompt files (training, and evaluation if any).
+    """
     dims = model_dims(cfg)
     if not dims:
         return None
-    paths = [cfg.prompts_path] + ([cfg.eval_prompts_path] if cfg.eval_size else [])
-    prompt_tokens = longest_prompt_tokens(*paths)
+    prompt_tokens = longest_prompt_tokens(*prompt_sets)
     est = estimate(cfg, dims, prompt_tokens)
     available = physical_memory() if available is None else available
     if est.total > 0.9 * available:

@@ -38,8 +38,7 @@ from ppo_core.models import PPO_ADAPTERS, POLICY, VALUE, PolicyValueModel, load_
 from ppo_core.phase_records import Compute, PhaseResult, lookup, run_phase
 from ppo_core.prompts import check_prompt_lengths, load_prompts
 from ppo_core.rewards import adaptive_kl_coef, make_reward, score_responses, shape_rewards
-from ppo_core.tables import SCHEMAS, read_table, write_table
-from ppo_core.tables import METRICS
+from ppo_core.tables import METRICS, SCHEMAS, read_table, write_table
 from ppo_core.train import TrainData, TrainSettings, load_optimizer, make_optimizers, ppo_update, save_optimizer
 
 # The phases of one iteration, in the order ``ppo_core.pipeline`` runs them;
@@ -238,7 +237,7 @@ def reward(cfg: PPOConfig, iteration: int, rollouts_path: Path, sa_pairs_path: P
             reward_function(cfg), ro.column("prompt").to_pylist(), ro.column("response").to_pylist(),
             _n_tokens_without_eos(lengths, finish), (_lists(ro, "prompt_token_ids"), _lists(ro, "response_token_ids")),
         )
-        truncated = np.array([f == "length" for f in finish])
+        truncated = np.asarray(finish) == "length"
         scores = raw + cfg.missing_eos_penalty * truncated
         coef = _kl_coef_for(cfg, iteration)
         score_t, penalty, total = shape_rewards(kl, lengths, scores, coef)
@@ -343,14 +342,13 @@ def train_job(job: TrainJob, group: Any = None) -> None:
     tokens = pl.from_arrow(read_table(Path(job.sa_pairs))).join(
         pl.from_arrow(read_table(Path(job.advantages))), on=["rollout_id", "t"], how="inner", maintain_order="left"
     )
-    # whitened_advantage is what the loss uses: the advantage itself wherever whitening is off
-    adv_col = "whitened_advantage"
     data = TrainData(
         prompt_ids=_lists(ro, "prompt_token_ids"),
         response_ids=_lists(ro, "response_token_ids"),
         old_logprob=tokens["logprob"].to_numpy(),
         old_value=tokens["value"].to_numpy(),
-        advantage=tokens[adv_col].to_numpy(),
+        # whitened_advantage is what the loss uses: the advantage itself wherever whitening is off
+        advantage=tokens["whitened_advantage"].to_numpy(),
         returns=tokens["return"].to_numpy(),
     )
     if len(data.old_logprob) != int(data.lengths.sum()):

@@ -93,7 +93,10 @@ def run_iteration(cfg: PPOConfig, iteration: int, runner: Runner | None = None) 
     if damaged:
         # a finished iteration's checkpoint no longer matches its manifest (bit rot, an edit): redo that
         # iteration, whose other phases are reused, instead of training on from altered weights
-        (start(cfg, runner) if iteration == 1 else run_iteration(cfg, iteration - 1, runner))
+        if iteration == 1:
+            start(cfg, runner)
+        else:
+            run_iteration(cfg, iteration - 1, runner)
         still = runs.damaged_checkpoint(cfg, iteration - 1)
         if still:
             raise runs.ArtifactIntegrityError(
@@ -137,7 +140,6 @@ def run(cfg: PPOConfig, iterations: int, runner: Runner | None = None) -> dict[i
     runs.check_inputs(cfg)
     with runs.run_lock(cfg):
         runs.pin_config(cfg)
-        runs.pin_files(cfg)
         start(cfg, runner)
         first = runs.next_iteration(cfg)
         return {it: run_iteration(cfg, it, runner) for it in range(first, first + iterations)}
@@ -156,7 +158,6 @@ def run_tracked(
     runs.check_inputs(cfg)
     with runs.run_lock(cfg):
         runs.pin_config(cfg)
-        runs.pin_files(cfg)
         track.ensure_run(cfg)
         track.set_status(cfg, "RUNNING")
         try:

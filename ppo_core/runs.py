@@ -36,11 +36,10 @@ def check_inputs(cfg: PPOConfig) -> None:
             f"config field 'batch_size': {cfg.batch_size} is larger than the prompt set "
             f"({prompts.height} prompts in {cfg.prompts_path})"
         )
-    if cfg.eval_size:
-        load_prompts(cfg.eval_prompts_path)
+    loaded = [prompts] + ([load_prompts(cfg.eval_prompts_path)] if cfg.eval_size else [])
     from ppo_core.memory import check_memory
 
-    check_memory(cfg)  # before any model loads: a config too large for this machine is refused, fields named
+    check_memory(cfg, loaded)  # before any model loads: a config too large for this machine is refused, fields named
     if cfg.reward_model_file is not None and not cfg.reward_model_file.is_file():
         raise ConfigError(f"config field 'reward': reward model file {cfg.reward_model_file} does not exist")
     if cfg.reward.startswith("python:"):
@@ -68,26 +67,16 @@ def check_visible(cfg: PPOConfig) -> None:
         )
 
 
-def pin_config(cfg: PPOConfig) -> None:
-    """Record the run's config on first use; refuse a different one later.
+class ArtifactIntegrityError(RuntimeError):
+    """A run's bookkeeping file is damaged, or a finished artifact differs from its manifest even after recomputing."""
 
-    A run's tables must never mix two configs: change a knob, start a new run.
-    """
-    path = cfg.layout.run_json
-    if path.is_file():
-        pinned = read_json(path, "the run's pinned config")
-        if pinned["training_hash"] != cfg.training_hash():
-            old, new = pinned["config"], cfg.to_json_dict()
-            fields = PPOConfig.model_fields
-            diff = sorted(k for k in new if k not in ("run", "artifact_root") and old.get(k, fields[k].default) != new[k])
-            raise ConfigError(
-                f"run '{cfg.run}' was started with a different config (changed: "
-                + ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in diff)
-                + "); use a new run name to train with it"
-            )
-        return
-    payload = {"run": cfg.run, "training_hash": cfg.training_hash(), "config": cfg.to_json_dict()}
-    atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True))
+
+def read_json(path: Path, what: str) -> Any:
+    """A run's JSON file (run.json, a manifest), or an error naming it when it is damaged."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactIntegrityError(f"{what} {path} is damaged ({exc}); restore it or start a new run name") from None
 
 
 def pinned_files(cfg: PPOConfig) -> dict[str, Path]:
@@ -105,22 +94,37 @@ def pinned_files(cfg: PPOConfig) -> dict[str, Path]:
     return files
 
 
-def pin_files(cfg: PPOConfig) -> None:
-    """Record the sha256 of ``pinned_files`` in run.json on first use; refuse a later run if one changed.
+def pin_config(cfg: PPOConfig) -> None:
+    """Record the run's config, and the sha256 of its ``pinned_files``, on first use; refuse a change later.
 
-    Their paths are in the config, but not their bytes: retraining a reward
-    model in place would otherwise change a run's reward mid-run, silently.
+    A run's tables must never mix two configs: change a knob, start a new run.
+    The reward's and base model's paths are in the config but not their bytes:
+    retraining a reward model in place would otherwise change a run's reward
+    mid-run, silently.
     """
     path = cfg.layout.run_json
+    files = pinned_files(cfg)
+    now = {name: sha256_file(p) for name, p in files.items() if p.is_file()}
+    if not path.is_file():
+        payload = {"run": cfg.run, "training_hash": cfg.training_hash(), "config": cfg.to_json_dict(), "pinned_sha256": now}
+        atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True))
+        return
     payload = read_json(path, "the run's pinned config")
-    now = {name: sha256_file(p) for name, p in pinned_files(cfg).items() if p.is_file()}
+    if payload["training_hash"] != cfg.training_hash():
+        old, new = payload["config"], cfg.to_json_dict()
+        fields = PPOConfig.model_fields
+        diff = sorted(k for k in new if k not in ("run", "artifact_root") and old.get(k, fields[k].default) != new[k])
+        raise ConfigError(
+            f"run '{cfg.run}' was started with a different config (changed: "
+            + ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in diff)
+            + "); use a new run name to train with it"
+        )
     pinned = payload.get("pinned_sha256")
-    if pinned is None:
+    if pinned is None:  # a run started before files were pinned: pin them now
         atomic_write_text(path, json.dumps({**payload, "pinned_sha256": now}, indent=2, sort_keys=True))
         return
     changed = sorted(name for name in set(pinned) | set(now) if pinned.get(name) != now.get(name))
     if changed:
-        files = pinned_files(cfg)
         raise ConfigError(
             f"run '{cfg.run}' was started with other contents of: "
             + "; ".join(f"{name} {files.get(name, '?')} (sha256 {str(pinned.get(name))[:12]}… then, "
@@ -143,18 +147,6 @@ def damaged_checkpoint(cfg: PPOConfig, iteration: int) -> list[str]:
         if p.parent == ckpt_dir and (not p.is_file() or sha256_file(p) != digest):
             damaged.append(rel)
     return damaged
-
-
-class ArtifactIntegrityError(RuntimeError):
-    """A run's bookkeeping file is damaged, or a finished artifact differs from its manifest even after recomputing."""
-
-
-def read_json(path: Path, what: str) -> Any:
-    """A run's JSON file (run.json, a manifest), or an error naming it when it is damaged."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ArtifactIntegrityError(f"{what} {path} is damaged ({exc}); restore it or start a new run name") from None
 
 
 class RunBusyError(RuntimeError):

@@ -208,11 +208,14 @@ def test_the_flows_never_pickle_their_results():
 def test_a_config_too_large_for_the_machine_is_refused_before_a_model_loads(tmp_path):
     from ppo_core.config import ConfigError
     from ppo_core.memory import GB, check_memory
+    from ppo_core.prompts import load_prompts
 
-    assert check_memory(load_config(None, {}), available=24 * GB).total < 4 * GB  # the defaults fit easily
+    defaults = load_config(None, {})
+    prompts = [load_prompts(defaults.prompts_path), load_prompts(defaults.eval_prompts_path)]
+    assert check_memory(defaults, prompts, available=24 * GB).total < 4 * GB  # the defaults fit easily
     big = load_config(None, {"batch_size": 4096, "max_new_tokens": 2048, "artifact_root": tmp_path})
     with pytest.raises(ConfigError, match=r"needs about \d+ GB .*longest prompt about \d+ tokens\), more than this machine's 24 GB: shorten .* batch_size"):
-        check_memory(big, available=24 * GB)
+        check_memory(big, prompts, available=24 * GB)
     from ppo_core.runs import check_inputs
 
     with pytest.raises(ConfigError, match="more than this machine's"):  # what every run does first
