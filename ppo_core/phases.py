@@ -37,6 +37,7 @@ from ppo_core.layout import Checkpoint
 from ppo_core.models import PPO_ADAPTERS, POLICY, VALUE, PolicyValueModel, load_policy_value_model
 from ppo_core.phase_records import Compute, PhaseResult, lookup, run_phase
 from ppo_core.prompts import check_prompt_lengths, load_prompts
+from ppo_core.score import TRUNKS
 from ppo_core.rewards import adaptive_kl_coef, make_reward, score_responses, shape_rewards
 from ppo_core.tables import METRICS, SCHEMAS, read_table, write_table
 from ppo_core.train import TrainData, TrainSettings, load_optimizer, make_optimizers, ppo_update, save_optimizer
@@ -486,6 +487,7 @@ def _rollout_rows(cfg: PPOConfig, iteration: int, shard: Shard, checkpoint: Chec
     rollout_ids = shard.rows(cfg.rollouts_per_iteration)
     chosen = prompts[idx[rollout_ids // cfg.samples_per_prompt]]
     model = model_for(cfg, checkpoint, (POLICY,))
+    TRUNKS.clear()  # the last iteration's frozen activations: sampling needs the memory
     prompt_ids = render_prompts(model, chosen["prompt"].to_list())
     check_prompt_lengths(chosen, [len(p) for p in prompt_ids], cfg.max_new_tokens, _context_length(model), cfg.prompts_path)
     seeds = phase_row_seeds(cfg, iteration, "rollout", rollout_ids)

@@ -7,12 +7,16 @@ pass over the full sequence, read at positions ``len(prompt) - 1 + t``.
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
 from ppo_core.models import PolicyValueModel
+from ppo_core.vocab_head import head_stats, trainable_head
 
 
 @dataclass
@@ -23,10 +27,14 @@ class Batch:
     positions: mx.array  # (B, T) int32: index of the hidden state that predicts response token t
     targets: mx.array  # (B, T) int32: response token ids (pad where masked)
     mask: mx.array  # (B, T) float32: 1 for real response tokens
+    # the real response tokens only, rollout-major (the order of the tables' rows):
+    flat_rows: mx.array  # (N,) int32: index into the (B * L) hidden states of the state predicting each
+    flat_targets: np.ndarray  # (N,) int32: the token ids
+    grid_index: mx.array  # (B, T) int32: where each grid cell's value is in the flat order (N for padding)
 
     @property
     def n_tokens(self) -> int:
-        return int(self.mask.sum().item())
+        return len(self.flat_targets)
 
 
 def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> Batch:
@@ -43,7 +51,14 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
         targets[i, : len(r)] = r
         mask[i, : len(r)] = 1.0
         positions[i] = np.minimum(len(p) - 1 + np.arange(T), L - 1)
-    return Batch(mx.array(tokens), mx.array(positions), mx.array(targets), mx.array(mask))
+    real = mask > 0
+    flat_rows = (np.arange(B)[:, None] * L + positions)[real].astype(np.int32)
+    grid_index = np.full((B, T), real.sum(), dtype=np.int32)
+    grid_index[real] = np.arange(real.sum(), dtype=np.int32)
+    return Batch(
+        mx.array(tokens), mx.array(positions), mx.array(targets), mx.array(mask),
+        mx.array(flat_rows), targets[real], mx.array(grid_index),
+    )
 
 
 TRUNK_CHUNK = 16  # rows per pass when precomputing frozen-layer activations for a whole batch
@@ -63,14 +78,58 @@ def trunk_activations(model: PolicyValueModel, tokens: mx.array, chunk: int = TR
     return mx.concatenate(parts, axis=0)
 
 
-def response_hidden(model: PolicyValueModel, batch: Batch, adapter: str | None, trunk: mx.array | None = None) -> mx.array:
-    """(B, T, H) hidden states of the states that precede each response token.
+class TrunkCache:
+    """The frozen-trunk activations of the most recent token batches, per loaded model.
+
+    Attribute, value and train of one iteration read the same rollouts, and
+    the layers below the adapters are the same for every adapter, so one pass
+    serves all three (when they run in one process; elsewhere each computes
+    its own). Keyed by the tokens' bytes, so a different batch never hits.
+    """
+
+    def __init__(self, size: int = 1) -> None:
+        self.size = size
+        self._entries: OrderedDict[tuple, mx.array] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, model: PolicyValueModel, tokens: mx.array) -> mx.array:
+        arr = np.asarray(tokens)
+        key = (id(model), model.n_frozen, arr.shape, hashlib.sha256(arr.tobytes()).hexdigest())
+        with self._lock:
+            if key in self._entries:
+                self.hits += 1
+                self._entries.move_to_end(key)
+                return self._entries[key]
+            self.misses += 1
+            self._entries.clear() if self.size == 1 else None  # free the old batch before computing the new one
+            value = trunk_activations(model, tokens)
+            self._entries[key] = value
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+            return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+TRUNKS = TrunkCache()  # the process's: phases of one iteration share the frozen pass through it
+
+
+def flat_hidden(model: PolicyValueModel, batch: Batch, adapter: str | None, trunk: mx.array | None = None) -> mx.array:
+    """(N, H) hidden states of the states that precede each real response token, rollout-major.
 
     ``trunk`` (from ``model.trunk(batch.tokens)``) lets several adapters share
     one pass through the frozen lower layers.
     """
     h = model.top(model.trunk(batch.tokens) if trunk is None else trunk, adapter)
-    return mx.take_along_axis(h, batch.positions[..., None], axis=1)
+    return h.reshape(-1, h.shape[-1])[batch.flat_rows]
+
+
+def to_grid(flat: mx.array, batch: Batch) -> mx.array:
+    """(N,) values in the flat order -> the batch's (B, T) grid, 0 at padding."""
+    return mx.concatenate([flat, mx.zeros((1,), flat.dtype)])[batch.grid_index]
 
 
 def token_logprobs(
@@ -81,32 +140,41 @@ def token_logprobs(
     trunk: mx.array | None = None,
     with_entropy: bool = True,
 ) -> tuple[mx.array, mx.array | None]:
-    """(logprob of each response token, entropy of each step's distribution or None), (B, T).
+    """(logprob of each response token, entropy of each step's distribution or None), (B, T), differentiable.
 
-    Work over the vocabulary dominates the cost of the top layers on CPU, so
-    entropy (one more full-vocabulary pass) is computed only when asked for.
+    Entropy costs one more pass over the vocabulary (and one more matmul for
+    its gradient), so it is computed only when asked for.
     """
-    logits = model.logits_from_hidden(response_hidden(model, batch, adapter, trunk)) / temperature
-    lse = mx.logsumexp(logits, axis=-1)
-    chosen = mx.take_along_axis(logits, batch.targets[..., None], axis=-1)[..., 0] - lse
-    if not with_entropy:
-        return chosen, None
-    entropy = lse - (mx.softmax(logits, axis=-1) * logits).sum(axis=-1)
-    return chosen, entropy
+    head = trainable_head(model, temperature, with_entropy)
+    lp, ent = head(flat_hidden(model, batch, adapter, trunk), mx.array(batch.flat_targets))
+    return to_grid(lp, batch), (to_grid(ent, batch) if with_entropy else None)
+
+
+def flat_logprobs(
+    model: PolicyValueModel, batch: Batch, adapter: str | None, temperature: float, trunk: mx.array, with_entropy: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Scoring without gradients: (logprob, entropy or None) of the real response tokens, rollout-major."""
+    h = flat_hidden(model, batch, adapter, trunk)
+    mx.eval(h)
+    st = head_stats(model, h, batch.flat_targets, temperature, entropy=with_entropy)
+    return st.logprob, st.entropy
 
 
 def token_values(model: PolicyValueModel, batch: Batch, adapter: str | None = "value", trunk: mx.array | None = None) -> mx.array:
-    return model.value_from_hidden(response_hidden(model, batch, adapter, trunk))
+    h = model.top(model.trunk(batch.tokens) if trunk is None else trunk, adapter)
+    return model.value_from_hidden(mx.take_along_axis(h, batch.positions[..., None], axis=1))
 
 
 def _chunks(n: int, size: int) -> list[slice]:
     return [slice(i, min(n, i + size)) for i in range(0, n, size)]
 
 
-def _ragged(arr: np.ndarray, lengths: list[int]) -> np.ndarray:
-    """Concatenate the first lengths[i] entries of each row: token-major flat order."""
-    mask = np.arange(arr.shape[1])[None, :] < np.asarray(lengths)[:, None]
-    return arr[mask]
+def _batch_trunks(model: PolicyValueModel, prompt_ids: list[list[int]], response_ids: list[list[int]], batch_size: int):
+    """(chunk's Batch, its trunk activations) per ``batch_size`` rollouts, from one shared whole-batch trunk pass."""
+    trunk_all = TRUNKS.get(model, make_batch(prompt_ids, response_ids, model.pad_token_id).tokens)
+    for sl in _chunks(len(prompt_ids), batch_size):
+        b = make_batch(prompt_ids[sl], response_ids[sl], model.pad_token_id)
+        yield sl, b, trunk_all[sl][:, : b.tokens.shape[1]]
 
 
 def score_logprobs(
@@ -121,20 +189,16 @@ def score_logprobs(
 ) -> list[tuple[np.ndarray, np.ndarray | None]]:
     """Flat per-token (logprob, entropy or None), rollout-major, per adapter (None = reference).
 
-    All adapters share one pass through the frozen trunk per chunk.
+    All adapters share one pass through the frozen trunk (``TRUNKS``).
     """
     entropy = entropy or (True,) * len(adapters)
     out: list[tuple[list[np.ndarray], list[np.ndarray]]] = [([], []) for _ in adapters]
-    for sl in _chunks(len(prompt_ids), batch_size):
-        b = make_batch(prompt_ids[sl], response_ids[sl], model.pad_token_id)
-        trunk = model.trunk(b.tokens)
-        lens = [len(r) for r in response_ids[sl]]
+    for _, b, trunk in _batch_trunks(model, prompt_ids, response_ids, batch_size):
         for (lps, ents), adapter, with_ent in zip(out, adapters, entropy):
-            lp, ent = token_logprobs(model, b, adapter, temperature, trunk, with_ent)
-            mx.eval(lp, ent) if with_ent else mx.eval(lp)
-            lps.append(_ragged(np.array(lp), lens))
+            lp, ent = flat_logprobs(model, b, adapter, temperature, trunk, with_ent)
+            lps.append(lp)
             if with_ent:
-                ents.append(_ragged(np.array(ent), lens))
+                ents.append(ent)
     return [(np.concatenate(lps), np.concatenate(ents) if ents else None) for lps, ents in out]
 
 
@@ -143,9 +207,8 @@ def score_values(
 ) -> np.ndarray:
     """Flat per-token V(s_t) for every response token, rollout-major."""
     out = []
-    for sl in _chunks(len(prompt_ids), batch_size):
-        b = make_batch(prompt_ids[sl], response_ids[sl], model.pad_token_id)
-        v = token_values(model, b)
+    for _, b, trunk in _batch_trunks(model, prompt_ids, response_ids, batch_size):
+        v = model.value_from_hidden(flat_hidden(model, b, "value", trunk))
         mx.eval(v)
-        out.append(_ragged(np.array(v), [len(r) for r in response_ids[sl]]))
+        out.append(np.array(v))
     return np.concatenate(out)

@@ -33,7 +33,7 @@ from ppo_core.config import PPOConfig
 from ppo_core.faults import failpoint
 from ppo_core.losses import policy_loss, value_loss
 from ppo_core.models import PPO_ADAPTERS, POLICY, VALUE, PolicyValueModel
-from ppo_core.score import Batch, make_batch, token_logprobs, token_values, trunk_activations
+from ppo_core.score import TRUNKS, Batch, make_batch, token_logprobs, token_values, trunk_activations
 from ppo_core.tables import atomic_path
 
 
@@ -255,9 +255,10 @@ def ppo_update(
         return mx.array(to_grid(rows, lengths[idx])[0].astype(np.float32))
 
     # The frozen lower layers see the same tokens in every epoch and for both
-    # adapters: run them once for the whole batch, then train only the top.
+    # adapters: run them once for the whole batch (or reuse the scoring phases'
+    # pass over the same rollouts), then train only the top.
     tokens = make_batch(data.prompt_ids, data.response_ids, model.pad_token_id).tokens
-    trunk_all = trunk_activations(model, tokens) if group is None else _shared_trunk(model, tokens, group)
+    trunk_all = TRUNKS.get(model, tokens) if group is None else _shared_trunk(model, tokens, group)
     step = PPOStep(model, settings, optimizers, group)
     metrics: list[dict[str, float]] = []
     for epoch in range(settings.epochs):
