@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ppo_core.activations import swap_mlps, use_fast_activations
 from ppo_core.config import DEFAULT_MODEL, PPOConfig
 from ppo_core.convert import CONVERTER_VERSION, convert_gguf
 from ppo_core.layout import converted_model_dir
@@ -351,6 +352,8 @@ def _load(model_dir: Path, cfg: PPOConfig) -> PolicyValueModel:
     # float32 throughout: half precision and quantised matmuls are far slower on CPU.
     lm.set_dtype(mx.float32)
     lm.freeze()
+    if use_fast_activations():  # before the LoRA injection, which adapts the swapped MLPs' projections
+        swap_mlps(lm.model.layers)
     switch = AdapterSwitch()
     n_frozen = max(0, len(lm.model.layers) - cfg.lora_layers)
     if _inject_lora(lm.model, n_frozen, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, switch) == 0:
