@@ -25,7 +25,7 @@ EXECUTION_ONLY = ("generation_batch_size",)
 # fields added after runs existed, whose default is those runs' behaviour
 ADDED_FIELDS = (
     "samples_per_prompt", "advantage_estimator", "lr_schedule", "lr_warmup_steps", "lr_decay_iterations",
-    "lr_min_ratio", "value_warmup_iterations",
+    "lr_min_ratio", "value_warmup_iterations", "dtype",
 )
 
 
@@ -140,6 +140,13 @@ class PPOConfig(BaseModel):
         "activations are computed once per batch and shared by policy, reference and value",
     )
     lora_targets: tuple[str, ...] = Field(("q_proj", "k_proj", "v_proj", "o_proj"))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="the base model's weights and activations: 'auto' is float32 on the CPU (half precision "
+        "is several times slower there) and bfloat16 on a GPU; adapters, heads, log-softmax, losses and "
+        "optimiser state stay float32 either way. 'auto' is resolved on the machine that computes: set it "
+        "explicitly to reproduce a run's bits on another kind of device",
+    )
 
     # --- evaluate ---
     eval_size: int = Field(32, ge=0, le=100000, description="held-out prompts scored per iteration (0 = skip)")

@@ -19,7 +19,7 @@ class Generation:
 
     response_ids: list[list[int]]
     finish_reasons: list[str]  # 'eos' | 'length'
-    sampling_logprobs: list[list[float]]  # log p(token) under the tempered, top-p filtered sampler
+    sampling_logprobs: list[list[float]]  # log p(token) under the tempered sampler
 
 
 def render_prompts(model: PolicyValueModel, prompts: list[str]) -> list[list[int]]:
@@ -33,26 +33,34 @@ def render_prompts(model: PolicyValueModel, prompts: list[str]) -> list[list[int
     return [tok.encode(p) for p in prompts]
 
 
-def _top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
-    if top_p >= 1.0:
-        return logprobs
-    order = mx.argsort(-logprobs, axis=-1)
-    sorted_lp = mx.take_along_axis(logprobs, order, axis=-1)
-    cum = mx.cumsum(mx.exp(sorted_lp), axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (always keeps the argmax)
-    keep_sorted = (cum - mx.exp(sorted_lp)) < top_p
-    keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
-    filtered = mx.where(keep, logprobs, -mx.inf)
-    return filtered - mx.logsumexp(filtered, axis=-1, keepdims=True)
-
-
 def row_seeds(key: str, rows) -> list[int]:
     """A seed for each row, from ``key`` (for example 'seed:iteration:phase') and the row's number."""
     return [int.from_bytes(hashlib.sha256(f"{key}:{int(r)}".encode()).digest()[:4], "little") & 0x7FFFFFFF for r in rows]
 
 
 _split_rows = mx.vmap(mx.random.split)
-_sample_rows = mx.vmap(lambda key, logprobs: mx.random.categorical(logprobs, key=key))
+
+
+def _uniform_rows(keys: mx.array, vocab: int) -> mx.array:
+    """(B, vocab) uniforms, row i from ``keys[i]``: the draws ``mx.random.categorical`` turns into Gumbel noise."""
+    return mx.vmap(lambda key: mx.random.uniform(shape=(vocab,), key=key))(keys)
+
+
+def _sample_step(logits: np.ndarray, temperature: float, uniforms: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(next token, its log-probability under the tempered distribution) per row.
+
+    Gumbel-max over the log-probabilities, as ``mx.random.categorical`` does,
+    in NumPy: MLX's CPU ``exp`` and ``log`` are scalar, and over a
+    49,152-way vocabulary they cost as much per step as the model's layers.
+    """
+    scaled = logits if temperature == 0 else np.divide(logits, np.float32(temperature), dtype=np.float32)
+    shifted = scaled - scaled.max(axis=1, keepdims=True)
+    lp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    if uniforms is None:
+        nxt = lp.argmax(axis=1)
+    else:
+        nxt = (lp - np.log(-np.log(uniforms))).argmax(axis=1)
+    return nxt, lp[np.arange(len(nxt)), nxt]
 
 
 def generate(
@@ -62,7 +70,6 @@ def generate(
     adapter: str | None,
     max_new_tokens: int,
     temperature: float,
-    top_p: float = 1.0,
     seeds: list[int] | None = None,
 ) -> Generation:
     """Sample responses for all prompts at once; ``temperature == 0`` is greedy.
@@ -70,6 +77,7 @@ def generate(
     Row i's randomness comes only from ``seeds[i]`` (default: its index): the
     same seed gives the same tokens whatever else is in the batch, so a shard
     of a batch samples what the whole batch would (up to float rounding).
+    There is no top-p: the config refuses it (PPO scores the full tempered distribution).
     """
     B = len(prompt_ids)
     lengths = [len(p) for p in prompt_ids]
@@ -77,38 +85,36 @@ def generate(
     left_pad = [max_len - n for n in lengths]
     tokens = mx.array([[model.pad_token_id] * pad + p for pad, p in zip(left_pad, prompt_ids)], dtype=mx.int32)
     cache = [BatchKVCache(left_pad) for _ in model.backbone.layers]
-    eos = mx.array(list(model.eos_token_ids), dtype=mx.int32)
+    eos = np.array(model.eos_token_ids)
     # one key per row, split per step on device: no row's draw depends on another's
     keys = mx.stack([mx.random.key(s) for s in (seeds if seeds is not None else range(B))])
 
     out_tokens, out_lp = [], []
-    finished = mx.zeros((B,), dtype=mx.bool_)
+    finished = np.zeros(B, dtype=bool)
     done_at = np.full(B, -1)
     x = tokens
     for step in range(max_new_tokens):
         h = model.hidden(x, adapter, cache=cache)[:, -1, :]
-        logits = model.logits_from_hidden(h)
-        if temperature == 0:
-            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            nxt = mx.argmax(lp, axis=-1)
-        else:
-            lp = logits / temperature
-            lp = _top_p_filter(lp - mx.logsumexp(lp, axis=-1, keepdims=True), top_p)
+        logits = model.logits_from_hidden(h).astype(mx.float32)  # sampling logprobs in float32 on any model dtype
+        uniforms = None
+        if temperature != 0:
             split = _split_rows(keys)
             keys = split[:, 0]
-            nxt = _sample_rows(split[:, 1], lp)
-        nxt = mx.where(finished, model.pad_token_id, nxt).astype(mx.int32)
-        tok_lp = mx.take_along_axis(lp, nxt[:, None], axis=-1)[:, 0]
-        is_eos = (nxt[:, None] == eos[None, :]).any(axis=-1) & ~finished
-        finished = finished | is_eos
-        mx.eval(nxt, tok_lp, finished)
-        out_tokens.append(np.array(nxt))
-        out_lp.append(np.array(tok_lp))
-        done_at[np.array(is_eos)] = step
+            uniforms = _uniform_rows(split[:, 1], logits.shape[-1])
+            mx.eval(logits, uniforms, keys)
+        else:
+            mx.eval(logits)
+        nxt, tok_lp = _sample_step(np.asarray(logits), temperature, None if uniforms is None else np.asarray(uniforms))
+        nxt = np.where(finished, model.pad_token_id, nxt).astype(np.int32)
+        is_eos = np.isin(nxt, eos) & ~finished
+        finished |= is_eos
+        out_tokens.append(nxt)
+        out_lp.append(tok_lp.astype(np.float32))
+        done_at[is_eos] = step
         failpoint("generate.step")
-        if bool(finished.all()):
+        if finished.all():
             break
-        x = nxt[:, None]
+        x = mx.array(nxt[:, None])
 
     toks = np.stack(out_tokens, axis=1)
     lps = np.stack(out_lp, axis=1)

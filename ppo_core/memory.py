@@ -5,8 +5,9 @@ otherwise ask for hundreds of GB and take the worker down with it. The
 estimate is the largest of the phases' working sets (they do not overlap) on
 top of the weights, from the model's config.json alone: float32 weights, the
 sampler's KV cache and logits per generation chunk, scoring's logits per
-chunk, and training's frozen-trunk activations for the whole batch plus a
-minibatch's logits and their gradients. It is deliberately rough (within ~2x):
+chunk, and the frozen-trunk activations of the whole batch (shared by scoring
+and training) plus a minibatch's activations and one chunk of the vocabulary
+head's logits. It is deliberately rough (within ~2x):
 its job is to refuse the absurd with the fields to change, not to tune.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import polars as pl
 
 from ppo_core.config import DEFAULT_MODEL, ConfigError, PPOConfig
+from ppo_core.vocab_head import CHUNK_ROWS
 
 GB = 1 << 30
 F32 = 4
@@ -76,16 +78,21 @@ def estimate(cfg: PPOConfig, dims: dict[str, int], prompt_tokens: int) -> Memory
     seq = prompt_tokens + new_tokens
     # KV cache of every layer, and a few full-vocabulary tensors per sampling step (logits, softmax, sort)
     generation = 2 * layers * kv * head_dim * gen_rows * seq * F32 + 4 * gen_rows * vocab * F32
-    # one scoring chunk: hidden states of every position, logits only where a response token is predicted
-    scoring = 4 * cfg.score_batch_size * seq * h * F32 + 3 * cfg.score_batch_size * new_tokens * vocab * F32
-    # frozen-trunk activations of the whole batch; then, per minibatch, what autograd keeps of every trained
-    # layer (MLP intermediates, ~10 hidden-size tensors, attention scores) and the response logits with their gradient
+    # frozen-trunk activations of the whole batch, shared by scoring and training (ppo_core.score.TRUNKS)
+    trunk = rollouts * seq * h * F32
+    # the vocabulary head's working set: a few copies of one chunk of logits (ppo_core.vocab_head)
+    head = 3 * CHUNK_ROWS * vocab * F32
+    # one scoring chunk: hidden states of every position
+    scoring = trunk + 4 * cfg.score_batch_size * seq * h * F32 + head
+    # per minibatch, what autograd keeps of every trained layer (MLP intermediates, ~10 hidden-size
+    # tensors, attention scores) and the head's per-token gradient rows
     minibatch = -(-rollouts // cfg.num_minibatches)
     per_token_layer = 3 * inter + 10 * h + heads * seq
     training = (
-        rollouts * seq * h * F32
+        trunk
         + minibatch * seq * per_token_layer * min(cfg.lora_layers, layers) * F32
-        + 4 * minibatch * new_tokens * vocab * F32
+        + 3 * minibatch * new_tokens * h * F32
+        + head
     )
     return MemoryEstimate(params * F32, generation, scoring, training)
 

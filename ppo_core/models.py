@@ -151,7 +151,8 @@ class MultiLoRALinear(nn.Module):
         if name is None:
             return y
         ad = self.adapters[name]
-        return y + self.scale * ((x @ ad["a"]) @ ad["b"])
+        delta = self.scale * ((x @ ad["a"]) @ ad["b"])  # float32 adapters: cast to a half-precision base's dtype
+        return y + (delta if delta.dtype == y.dtype else delta.astype(y.dtype))
 
 
 def _inject_lora(
@@ -309,6 +310,14 @@ def initial_parameters(like: dict[str, mx.array], seed: int, adapter: str) -> di
     return out
 
 
+def compute_dtype(setting: str, device_type: Any = None) -> mx.Dtype:
+    """The base model's dtype for config value ``setting`` on a device of ``device_type`` (default: MLX's)."""
+    if setting != "auto":
+        return getattr(mx, setting)
+    device_type = device_type if device_type is not None else mx.default_device().type
+    return mx.float32 if device_type == mx.cpu else mx.bfloat16
+
+
 class ModelCache:
     """Loaded base models with their adapter slots, one per (model directory, LoRA layout).
 
@@ -322,7 +331,7 @@ class ModelCache:
 
     def get(self, cfg: PPOConfig) -> PolicyValueModel:
         model_dir = resolve_model_dir(cfg.model, cfg.artifact_root)
-        key = (str(model_dir.resolve()), cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_layers)
+        key = (str(model_dir.resolve()), cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_layers, cfg.dtype)
         if key not in self._models:
             self._models[key] = _load(model_dir, cfg)
         return self._models[key]
@@ -349,8 +358,9 @@ def _load(model_dir: Path, cfg: PPOConfig) -> PolicyValueModel:
         lm, tokenizer = mlx_lm_load(str(model_dir))
     except Exception as exc:
         raise ModelError(f"cannot load model directory {model_dir}: {exc}") from exc
-    # float32 throughout: half precision and quantised matmuls are far slower on CPU.
-    lm.set_dtype(mx.float32)
+    # float32 on the CPU (half precision and quantised matmuls are far slower there), bfloat16 on a GPU;
+    # the adapters and heads made below stay float32.
+    lm.set_dtype(compute_dtype(cfg.dtype))
     lm.freeze()
     if use_fast_activations():  # before the LoRA injection, which adapts the swapped MLPs' projections
         swap_mlps(lm.model.layers)

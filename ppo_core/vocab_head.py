@@ -49,7 +49,7 @@ def head_weight(model) -> mx.array:
 
 
 def _chunk(model, h: mx.array, targets: np.ndarray, temperature: float, entropy: bool, moments: bool, weight: mx.array):
-    logits = model.logits_from_hidden(h)
+    logits = model.logits_from_hidden(h).astype(mx.float32)  # a half-precision model's too
     mx.eval(logits)
     # one division per logit, as ``logits / temperature`` in MLX: the same float bits
     lt = np.divide(np.asarray(logits), np.float32(temperature), dtype=np.float32)
