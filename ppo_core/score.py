@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ppo_core.models import PolicyValueModel
-from ppo_core.vocab_head import head_stats, trainable_head
+from ppo_core.vocab_head import head_stats
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Batch:
     flat_rows: mx.array  # (N,) int32: index into the (B * L) hidden states of the state predicting each
     flat_targets: np.ndarray  # (N,) int32: the token ids
     grid_index: mx.array  # (B, T) int32: where each grid cell's value is in the flat order (N for padding)
+    flat_cells: mx.array  # (N,) int32: each real token's cell in the flattened (B * T) grid
 
     @property
     def n_tokens(self) -> int:
@@ -57,7 +58,7 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
     grid_index[real] = np.arange(real.sum(), dtype=np.int32)
     return Batch(
         mx.array(tokens), mx.array(positions), mx.array(targets), mx.array(mask),
-        mx.array(flat_rows), targets[real], mx.array(grid_index),
+        mx.array(flat_rows), targets[real], mx.array(grid_index), mx.array(np.flatnonzero(real).astype(np.int32)),
     )
 
 
@@ -127,7 +128,7 @@ def flat_hidden(model: PolicyValueModel, batch: Batch, adapter: str | None, trun
     return h.reshape(-1, h.shape[-1])[batch.flat_rows]
 
 
-def to_grid(flat: mx.array, batch: Batch) -> mx.array:
+def flat_to_grid(flat: mx.array, batch: Batch) -> mx.array:
     """(N,) values in the flat order -> the batch's (B, T) grid, 0 at padding."""
     return mx.concatenate([flat, mx.zeros((1,), flat.dtype)])[batch.grid_index]
 
@@ -140,14 +141,13 @@ def token_logprobs(
     trunk: mx.array | None = None,
     with_entropy: bool = True,
 ) -> tuple[mx.array, mx.array | None]:
-    """(logprob of each response token, entropy of each step's distribution or None), (B, T), differentiable.
+    """(logprob of each response token, entropy of each step's distribution or None) on the (B, T) grid, 0 at padding.
 
-    Entropy costs one more pass over the vocabulary (and one more matmul for
-    its gradient), so it is computed only when asked for.
+    No gradient flows through it: training takes the head's gradient in
+    ``ppo_core.train.PPOStep``.
     """
-    head = trainable_head(model, temperature, with_entropy)
-    lp, ent = head(flat_hidden(model, batch, adapter, trunk), mx.array(batch.flat_targets))
-    return to_grid(lp, batch), (to_grid(ent, batch) if with_entropy else None)
+    lp, ent = flat_logprobs(model, batch, adapter, temperature, model.trunk(batch.tokens) if trunk is None else trunk, with_entropy)
+    return flat_to_grid(mx.array(lp), batch), (flat_to_grid(mx.array(ent), batch) if with_entropy else None)
 
 
 def flat_logprobs(

@@ -8,10 +8,10 @@ Positions go through in chunks, so one chunk's logits (``CHUNK_ROWS`` x vocab
 floats) is the working set instead of a whole minibatch's, and only the
 positions of real response tokens are computed.
 
-Training goes through ``trainable_head``, an ``mx.custom_function`` whose
-forward pass also computes the softmax-weighted sums of the head's rows that
-its gradient needs (``E = p @ W``, and for the entropy ``G``), so no logits
-are kept for the backward pass and none are recomputed:
+For training, ``head_stats(moments=True)`` also computes the softmax-weighted
+sums of the head's rows that the gradient needs (``E = p @ W``, and for the
+entropy ``G``), so no logits are kept for the backward pass and none are
+recomputed (``ppo_core.train.PPOStep`` takes the gradient from there):
 
     d logprob_t / d h = (W[t] - E) / T
     d entropy / d h   = -G / T,  G = (p * (l - max)) @ W + (H - log s) E
@@ -91,31 +91,3 @@ def head_stats(
         expected_row=mx.concatenate([p[2] for p in parts]) if moments else None,
         entropy_row=mx.concatenate([p[3] for p in parts]) if moments and entropy else None,
     )
-
-
-def trainable_head(model, temperature: float, entropy: bool):
-    """``f(h, targets) -> (logprob, entropy)``, (N,) each, differentiable in ``h`` (entropy is zeros unless asked for)."""
-    weight = head_weight(model)
-
-    @mx.custom_function
-    def head(h: mx.array, targets: mx.array):
-        st = head_stats(model, h, np.asarray(targets), temperature, entropy=entropy, moments=True)
-        ent = mx.array(st.entropy) if entropy else mx.zeros(st.logprob.shape)
-        aux = st.entropy_row if entropy else mx.zeros((0,))
-        return mx.array(st.logprob), ent, st.expected_row, aux
-
-    @head.vjp
-    def head_vjp(primals, cotangents, outputs):
-        h, targets = primals
-        d_logprob, d_entropy = cotangents[0], cotangents[1]
-        expected, ent_row = outputs[2], outputs[3]
-        grad = d_logprob[:, None] * (weight[targets] - expected)
-        if entropy:
-            grad = grad - d_entropy[:, None] * ent_row
-        return (grad / temperature).astype(h.dtype), mx.zeros_like(targets)
-
-    def call(h: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-        logprob, ent, _, _ = head(h, targets)
-        return logprob, ent
-
-    return call
