@@ -108,3 +108,14 @@ def test_trunk_cache_reuses_one_pass_per_token_batch(model):
     cache.get(model, other.tokens)  # a different batch misses and replaces it
     assert cache.misses == 2 and cache.get(model, batch.tokens) is not first
     assert TRUNKS.size == 1  # the process's cache holds one batch: the memory estimate's training trunk
+
+
+def test_one_trunk_pass_serves_attribute_value_and_train(tiny_cfg):
+    """In one process an iteration computes the frozen layers over its rollouts once."""
+    from ppo_core import pipeline
+
+    cfg = tiny_cfg()
+    pipeline.start(cfg)
+    hits, misses = TRUNKS.hits, TRUNKS.misses
+    pipeline.run_iteration(cfg, 1)
+    assert (TRUNKS.hits - hits, TRUNKS.misses - misses) == (2, 1)  # attribute computes; value and train reuse
