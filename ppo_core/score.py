@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -90,7 +91,7 @@ class TrunkCache:
 
     def __init__(self, size: int = 1) -> None:
         self.size = size
-        self._entries: OrderedDict[tuple, mx.array] = OrderedDict()
+        self._entries: OrderedDict[tuple, tuple[weakref.ref, mx.array]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
@@ -98,14 +99,16 @@ class TrunkCache:
         arr = np.asarray(tokens)
         key = (id(model), model.n_frozen, arr.shape, hashlib.sha256(arr.tobytes()).hexdigest())
         with self._lock:
-            if key in self._entries:
+            # id() alone could name a new model loaded where a freed one was: the weak reference tells them apart
+            if key in self._entries and self._entries[key][0]() is model:
                 self.hits += 1
                 self._entries.move_to_end(key)
-                return self._entries[key]
+                return self._entries[key][1]
             self.misses += 1
-            self._entries.clear() if self.size == 1 else None  # free the old batch before computing the new one
+            if self.size == 1:  # free the old batch before computing the new one
+                self._entries.clear()
             value = trunk_activations(model, tokens)
-            self._entries[key] = value
+            self._entries[key] = (weakref.ref(model), value)
             while len(self._entries) > self.size:
                 self._entries.popitem(last=False)
             return value

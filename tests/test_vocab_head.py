@@ -119,3 +119,13 @@ def test_one_trunk_pass_serves_attribute_value_and_train(tiny_cfg):
     hits, misses = TRUNKS.hits, TRUNKS.misses
     pipeline.run_iteration(cfg, 1)
     assert (TRUNKS.hits - hits, TRUNKS.misses - misses) == (2, 1)  # attribute computes; value and train reuse
+
+
+def test_trunk_cache_never_serves_another_models_activations(model):
+    """A model freed and another loaded at the same address (same id()) must not get the old trunk."""
+    cache = TrunkCache()
+    batch = _batch(model)
+    first = cache.get(model, batch.tokens)
+    key = next(iter(cache._entries))
+    cache._entries[key] = (lambda: None, first)  # what a freed model's weak reference returns
+    assert cache.get(model, batch.tokens) is not first and cache.misses == 2
