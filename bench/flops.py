@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ppo_core.score import TRUNK_CHUNK
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -102,7 +104,7 @@ def iteration_work(shape: Shape, prompt_lens: np.ndarray, response_lens: np.ndar
         steps += n_steps
     rollout = PhaseWork((prefill + decode) / 1e9, steps * shape.weight_bytes / 1e9)
     # the frozen trunk over the whole padded batch, once (shared by attribute, value and train)
-    pos_all, ctx_all = _padded(seq, 16)
+    pos_all, ctx_all = _padded(seq, TRUNK_CHUNK)
     trunk = shape.stack_flops(pos_all, ctx_all, False)
     pos, ctx = _padded(seq, cfg.score_batch_size)
     top = shape.stack_flops(pos, ctx, True)

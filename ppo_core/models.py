@@ -239,10 +239,15 @@ class PolicyValueModel:
                 h = layer(h, mask, cache=None)
         return self.backbone.norm(h)
 
-    def logits_from_hidden(self, h: mx.array) -> mx.array:
+    @property
+    def head_weight(self) -> mx.array:
+        """The (vocab, hidden) matrix of the LM head: the embedding when tied (no head of the supported types has a bias)."""
         if getattr(self.lm.args, "tie_word_embeddings", True) and not hasattr(self.lm, "lm_head"):
-            return self.backbone.embed_tokens.as_linear(h)
-        return self.lm.lm_head(h)
+            return self.backbone.embed_tokens.weight
+        return self.lm.lm_head.weight
+
+    def logits_from_hidden(self, h: mx.array) -> mx.array:
+        return h @ self.head_weight.T  # what Embedding.as_linear and a bias-free Linear compute
 
     def value_from_hidden(self, h: mx.array) -> mx.array:
         return self.heads[VALUE](h).squeeze(-1)

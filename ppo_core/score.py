@@ -121,13 +121,14 @@ class TrunkCache:
 TRUNKS = TrunkCache()  # the process's: phases of one iteration share the frozen pass through it
 
 
-def flat_hidden(model: PolicyValueModel, batch: Batch, adapter: str | None, trunk: mx.array | None = None) -> mx.array:
-    """(N, H) hidden states of the states that precede each real response token, rollout-major.
+def _top(model: PolicyValueModel, batch: Batch, adapter: str | None, trunk: mx.array | None) -> mx.array:
+    """(B, L, H) final hidden states; ``trunk`` (from ``model.trunk(batch.tokens)``) lets adapters share the frozen pass."""
+    return model.top(model.trunk(batch.tokens) if trunk is None else trunk, adapter)
 
-    ``trunk`` (from ``model.trunk(batch.tokens)``) lets several adapters share
-    one pass through the frozen lower layers.
-    """
-    h = model.top(model.trunk(batch.tokens) if trunk is None else trunk, adapter)
+
+def flat_hidden(model: PolicyValueModel, batch: Batch, adapter: str | None, trunk: mx.array | None = None) -> mx.array:
+    """(N, H) hidden states of the states that precede each real response token, rollout-major."""
+    h = _top(model, batch, adapter, trunk)
     return h.reshape(-1, h.shape[-1])[batch.flat_rows]
 
 
@@ -164,7 +165,7 @@ def flat_logprobs(
 
 
 def token_values(model: PolicyValueModel, batch: Batch, adapter: str | None = "value", trunk: mx.array | None = None) -> mx.array:
-    h = model.top(model.trunk(batch.tokens) if trunk is None else trunk, adapter)
+    h = _top(model, batch, adapter, trunk)
     return model.value_from_hidden(mx.take_along_axis(h, batch.positions[..., None], axis=1))
 
 
@@ -177,7 +178,7 @@ def _batch_trunks(model: PolicyValueModel, prompt_ids: list[list[int]], response
     trunk_all = TRUNKS.get(model, make_batch(prompt_ids, response_ids, model.pad_token_id).tokens)
     for sl in _chunks(len(prompt_ids), batch_size):
         b = make_batch(prompt_ids[sl], response_ids[sl], model.pad_token_id)
-        yield sl, b, trunk_all[sl][:, : b.tokens.shape[1]]
+        yield b, trunk_all[sl][:, : b.tokens.shape[1]]
 
 
 def score_logprobs(
@@ -196,7 +197,7 @@ def score_logprobs(
     """
     entropy = entropy or (True,) * len(adapters)
     out: list[tuple[list[np.ndarray], list[np.ndarray]]] = [([], []) for _ in adapters]
-    for _, b, trunk in _batch_trunks(model, prompt_ids, response_ids, batch_size):
+    for b, trunk in _batch_trunks(model, prompt_ids, response_ids, batch_size):
         for (lps, ents), adapter, with_ent in zip(out, adapters, entropy):
             lp, ent = flat_logprobs(model, b, adapter, temperature, trunk, with_ent)
             lps.append(lp)
@@ -210,7 +211,7 @@ def score_values(
 ) -> np.ndarray:
     """Flat per-token V(s_t) for every response token, rollout-major."""
     out = []
-    for _, b, trunk in _batch_trunks(model, prompt_ids, response_ids, batch_size):
+    for b, trunk in _batch_trunks(model, prompt_ids, response_ids, batch_size):
         v = model.value_from_hidden(flat_hidden(model, b, "value", trunk))
         mx.eval(v)
         out.append(np.array(v))

@@ -34,7 +34,7 @@ from ppo_core.faults import failpoint
 from ppo_core.losses import policy_loss, value_loss
 from ppo_core.models import PPO_ADAPTERS, POLICY, VALUE, PolicyValueModel
 from ppo_core.score import TRUNKS, Batch, flat_hidden, flat_to_grid, make_batch, token_values, trunk_activations
-from ppo_core.vocab_head import head_stats, head_weight
+from ppo_core.vocab_head import head_stats
 from ppo_core.tables import atomic_path
 
 
@@ -205,7 +205,7 @@ class PPOStep:
         else:
             (_, stats), d_lp = mx.value_and_grad(lambda lp: objective(lp, None))(logprob)
         # d logprob / d h = (W[target] - E) / T;  d entropy / d h = -G / T  (ppo_core.vocab_head)
-        d_h = d_lp.reshape(-1)[cells][:, None] * (head_weight(model)[mx.array(batch.flat_targets)] - head.expected_row)
+        d_h = d_lp.reshape(-1)[cells][:, None] * (model.head_weight[mx.array(batch.flat_targets)] - head.expected_row)
         if with_entropy:
             d_h = d_h - d_ent.reshape(-1)[cells][:, None] * head.entropy_row
         d_h = (d_h / s.temperature).astype(h.dtype)

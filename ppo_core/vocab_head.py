@@ -40,14 +40,6 @@ class HeadStats:
     entropy_row: mx.array | None = None  # G, (N, H)
 
 
-def head_weight(model) -> mx.array:
-    """The (vocab, hidden) matrix of the LM head (the embedding when tied)."""
-    lm = model.lm
-    if getattr(lm.args, "tie_word_embeddings", True) and not hasattr(lm, "lm_head"):
-        return model.backbone.embed_tokens.weight
-    return lm.lm_head.weight
-
-
 def _chunk(model, h: mx.array, targets: np.ndarray, temperature: float, entropy: bool, moments: bool, weight: mx.array):
     logits = model.logits_from_hidden(h).astype(mx.float32)  # a half-precision model's too
     mx.eval(logits)
@@ -75,7 +67,7 @@ def head_stats(
     model, h: mx.array, targets: np.ndarray, temperature: float, *, entropy: bool = True, moments: bool = False
 ) -> HeadStats:
     """Statistics of the head at ``h`` (N, H) for ``targets`` (N,), ``CHUNK_ROWS`` positions at a time."""
-    weight = head_weight(model)
+    weight = model.head_weight
     parts = [
         _chunk(model, h[lo : lo + CHUNK_ROWS], targets[lo : lo + CHUNK_ROWS], temperature, entropy, moments, weight)
         for lo in range(0, h.shape[0], CHUNK_ROWS)

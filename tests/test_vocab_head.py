@@ -33,7 +33,7 @@ def model(request, tmp_path_factory):
 
 def _batch(model, seed=0):
     rng = np.random.default_rng(seed)
-    vocab = vocab_head.head_weight(model).shape[0]
+    vocab = model.head_weight.shape[0]
     prompts = [list(rng.integers(3, vocab, n)) for n in (5, 9, 3, 7)]
     responses = [list(rng.integers(3, vocab, n)) for n in (6, 1, 11, 4)]
     return make_batch(prompts, responses, model.pad_token_id)
