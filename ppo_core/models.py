@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,6 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ppo_core.activations import swap_mlps, use_fast_activations
+from ppo_core.attention import use_fast_attention
 from ppo_core.config import DEFAULT_MODEL, PPOConfig
 from ppo_core.convert import CONVERTER_VERSION, convert_gguf
 from ppo_core.layout import converted_model_dir
@@ -369,6 +371,7 @@ def _load(model_dir: Path, cfg: PPOConfig) -> PolicyValueModel:
     lm.freeze()
     if use_fast_activations():  # before the LoRA injection, which adapts the swapped MLPs' projections
         swap_mlps(lm.model.layers)
+        use_fast_attention(sys.modules[type(lm).__module__])
     switch = AdapterSwitch()
     n_frozen = max(0, len(lm.model.layers) - cfg.lora_layers)
     if _inject_lora(lm.model, n_frozen, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, switch) == 0:

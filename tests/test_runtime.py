@@ -43,3 +43,21 @@ def test_matmul_gflops_reports_accuracy():
     gflops, err = matmul_gflops(n=256, repeats=3)
     assert gflops > 0
     assert err < 1e-2
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@linux_only
+def test_freed_blocks_below_32_mb_are_reused_not_unmapped():
+    # importing ppo_core set the thresholds: an 8 MB block comes from the heap (no fresh mmap to page-fault in)
+    # and freeing it keeps it for the next one (the heap is not trimmed back to the kernel)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype, libc.malloc.restype = _MallInfo2, ctypes.c_void_p
+    mapped_before = libc.mallinfo2().hblks
+    block = libc.malloc(8 * 1024 * 1024)
+    assert block and libc.mallinfo2().hblks == mapped_before, "an 8 MB block was mmapped"
+    libc.free(ctypes.c_void_p(block))
+    assert libc.mallinfo2().fordblks >= 8 * 1024 * 1024, "the freed block was returned to the kernel"
