@@ -6,12 +6,13 @@ field and the allowed range.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -190,6 +191,12 @@ class PPOConfig(BaseModel):
             )
         return v
 
+    @field_validator("lora_targets", mode="before")
+    @classmethod
+    def _comma_list(cls, v: Any) -> Any:
+        # --set lora_targets=q_proj,v_proj as well as a JSON list
+        return tuple(t.strip() for t in v.split(",") if t.strip()) if isinstance(v, str) else v
+
     @field_validator("lora_targets")
     @classmethod
     def _targets(cls, v: tuple[str, ...]) -> tuple[str, ...]:
@@ -272,6 +279,11 @@ class PPOConfig(BaseModel):
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# the PPOConfig fields ``ppo reward-model --set`` may change: the ones that shape the reward model it trains
+REWARD_MODEL_FIELDS = ("artifact_root", "dtype", "lora_alpha", "lora_layers", "lora_rank", "lora_targets", "model",
+                       "score_batch_size", "seed")
+
+
 class RewardModelSettings(BaseModel):
     """How ``ppo reward-model`` trains a reward model; base model, LoRA layout and seed come from PPOConfig."""
 
@@ -320,6 +332,21 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def check_known(data: dict[str, Any], known: Iterable[str], what: str = "config field") -> None:
+    """Refuse keys not in ``known``, suggesting the closest known one (a typo) or else listing them all."""
+    known = sorted(known)
+    unknown = sorted(set(data) - set(known))
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hints.append(f"unknown {what} '{key}'" + (f": did you mean '{close[0]}'?" if close else ""))
+    if any("did you mean" not in h for h in hints):
+        hints.append(f"known: {', '.join(known)}")
+    raise ConfigError("; ".join(hints))
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: dict[str, Any] | list[str] | None = None,
@@ -341,9 +368,7 @@ def load_config(
     if isinstance(overrides, list):
         overrides = dict(parse_override(o) for o in overrides)
     data.update(overrides or {})
-    unknown = sorted(set(data) - set(PPOConfig.model_fields))
-    if unknown:
-        raise ConfigError(f"unknown config field(s) {unknown}; known fields: {sorted(PPOConfig.model_fields)}")
+    check_known(data, PPOConfig.model_fields)
     try:
         return PPOConfig(**data)
     except ValidationError as exc:

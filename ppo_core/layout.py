@@ -56,6 +56,17 @@ def run_label(run: str) -> str:
     return f"run={run}"
 
 
+def parse_run_label(name: str) -> str | None:
+    """The run of folder name ``run=<run>``, or None for any other name."""
+    run = name.removeprefix("run=")
+    if run == name:
+        return None
+    try:
+        return check_name(run)
+    except ValueError:
+        return None
+
+
 def table_file(name: str) -> str:
     return f"{name}.parquet"
 

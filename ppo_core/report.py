@@ -205,10 +205,11 @@ def _pick_iteration(layout: RunLayout, complete: list[int], requested: int | Non
         return requested
     if "eval" in tables and requested in complete:
         return None
-    raise ValueError(
-        f"iteration {requested} of run '{layout.run}' under artifact root {layout.root} is not a completed iteration with "
-        f"{', '.join(tables)} tables; completed: {_ranges(complete) or 'none'}"
-    )
+    where = f"iteration {requested} of run '{layout.run}' under artifact root {layout.root}"
+    if requested not in complete:
+        raise ValueError(f"{where} is not a completed iteration; completed: {_ranges(complete) or 'none'}")
+    why = " (iteration 0 is the starting checkpoint and its baseline evaluation: nothing is sampled or trained)" if requested == 0 else ""
+    raise ValueError(f"{where} has no {', '.join(tables)} tables{why}; iterations with them: {_ranges(with_tables) or 'none'}")
 
 
 # --------------------------------------------------------------------------- numbers

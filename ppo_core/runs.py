@@ -14,6 +14,7 @@ from typing import Any
 import polars as pl
 
 from ppo_core.config import ConfigError, PPOConfig
+from ppo_core.layout import RunLayout
 from ppo_core.prompts import load_prompts
 from ppo_core.tables import atomic_write_text, sha256_file
 
@@ -28,8 +29,12 @@ def code_version() -> str:
     return h.hexdigest()[:16]
 
 
-def check_inputs(cfg: PPOConfig) -> None:
-    """Everything that can be checked before a model loads: prompt files, batch size, writability."""
+def check_inputs(cfg: PPOConfig, create_root: bool = True) -> None:
+    """Everything that can be checked before a model loads: prompt files, batch size, writability.
+
+    Without ``create_root`` nothing is written: the artifact root, if missing,
+    must be creatable in its nearest existing parent folder.
+    """
     prompts = load_prompts(cfg.prompts_path)
     if cfg.batch_size > prompts.height:
         raise ConfigError(
@@ -50,12 +55,16 @@ def check_inputs(cfg: PPOConfig) -> None:
         except UserRewardError as exc:
             raise ConfigError(str(exc)) from None
     root = cfg.artifact_root
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"artifact root {root} cannot be created: {exc.strerror}") from None
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise ConfigError(f"artifact root {root} is not writable")
+    if create_root:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"artifact root {root} cannot be created: {exc.strerror}") from None
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"artifact root {root} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"artifact root {root} is not writable" + (f" ({existing} is not)" if existing != root else ""))
 
 
 def check_visible(cfg: PPOConfig) -> None:
@@ -103,12 +112,26 @@ def pin_config(cfg: PPOConfig) -> None:
     mid-run, silently.
     """
     path = cfg.layout.run_json
-    files = pinned_files(cfg)
-    now = {name: sha256_file(p) for name, p in files.items() if p.is_file()}
+    now = check_pinned(cfg)
     if not path.is_file():
         payload = {"run": cfg.run, "training_hash": cfg.training_hash(), "config": cfg.to_json_dict(), "pinned_sha256": now}
         atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True))
         return
+    payload = read_json(path, "the run's pinned config")
+    if payload.get("pinned_sha256") is None:  # a run started before files were pinned: pin them now
+        atomic_write_text(path, json.dumps({**payload, "pinned_sha256": now}, indent=2, sort_keys=True))
+
+
+def check_pinned(cfg: PPOConfig) -> dict[str, str]:
+    """Refuse a config or pinned file that differs from what run ``cfg.run`` started with (writes nothing).
+
+    Returns the sha256 of the config's ``pinned_files`` as they are now.
+    """
+    path = cfg.layout.run_json
+    files = pinned_files(cfg)
+    now = {name: sha256_file(p) for name, p in files.items() if p.is_file()}
+    if not path.is_file():
+        return now
     payload = read_json(path, "the run's pinned config")
     if payload["training_hash"] != cfg.training_hash():
         old, new = payload["config"], cfg.to_json_dict()
@@ -120,9 +143,8 @@ def pin_config(cfg: PPOConfig) -> None:
             + "); use a new run name to train with it"
         )
     pinned = payload.get("pinned_sha256")
-    if pinned is None:  # a run started before files were pinned: pin them now
-        atomic_write_text(path, json.dumps({**payload, "pinned_sha256": now}, indent=2, sort_keys=True))
-        return
+    if pinned is None:
+        return now
     changed = sorted(name for name in set(pinned) | set(now) if pinned.get(name) != now.get(name))
     if changed:
         raise ConfigError(
@@ -131,6 +153,7 @@ def pin_config(cfg: PPOConfig) -> None:
                         f"{str(now.get(name))[:12]}… now)" for name in changed)
             + "; a run's reward and base model must not change mid-run: restore them or start a new run name"
         )
+    return now
 
 
 def damaged_checkpoint(cfg: PPOConfig, iteration: int) -> list[str]:
@@ -151,6 +174,37 @@ def damaged_checkpoint(cfg: PPOConfig, iteration: int) -> list[str]:
 
 class RunBusyError(RuntimeError):
     """Another process is training the same run."""
+
+
+def lock_holder(layout: RunLayout) -> str | None:
+    """Who holds the run's lock now ("pid N on host H"), or None when nobody trains it."""
+    path = layout.lock
+    if not path.is_file():
+        return None
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            return fh.read().strip() or "another process"
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    return None
+
+
+def preflight(cfg: PPOConfig) -> None:
+    """Every check of a training run that needs neither a model nor a server, writing nothing.
+
+    ``ppo train`` runs it before a Prefect flow run starts; the flow repeats
+    the checks (a deployment run has no such command in front of it).
+    """
+    from ppo_core.models import check_model_available
+
+    check_inputs(cfg, create_root=False)
+    check_model_available(cfg.model)
+    check_pinned(cfg)
+    holder = lock_holder(cfg.layout)
+    if holder is not None:
+        raise RunBusyError(f"run '{cfg.run}' is being trained by {holder}; wait for it to finish")
 
 
 @contextlib.contextmanager

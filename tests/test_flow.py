@@ -118,6 +118,29 @@ def test_failed_flow_marks_the_mlflow_run_failed_with_the_reason(flow_overrides,
     assert not (cfg.layout.table(1, "rewards")).exists()
 
 
+def test_ppo_train_prints_a_failure_inside_the_flow_in_one_line(flow_overrides, monkeypatch, caplog):
+    from ppo_core import phases
+
+    def exploding(*args, **kwargs):
+        raise RuntimeError("scorer offline")
+
+    monkeypatch.setattr(phases, "make_reward", exploding)
+    args = ["train", "--run", "oneline", "--iterations", "1"]
+    args += [x for k, v in flow_overrides.items() for x in ("--set", f"{k}={v}")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "error: scorer offline" in result.output and "`ppo train --run oneline` resumes" in result.output
+    assert "Traceback" not in result.output
+    prefect_logs = [r for r in caplog.records if r.name.startswith("prefect")]
+    assert any("scorer offline" in r.getMessage() for r in prefect_logs)  # Prefect still says what failed...
+    assert not any(r.exc_info for r in prefect_logs)  # ...without the traceback
+
+    caplog.clear()
+    debug = CliRunner().invoke(app, [*args, "--debug"])
+    assert debug.exit_code == 1 and isinstance(debug.exception, RuntimeError)
+    assert any(r.exc_info for r in caplog.records if r.name.startswith("prefect"))
+
+
 def test_a_critic_free_run_through_the_flow_skips_the_value_task(flow_overrides, vowel_reward):
     """RLOO with 2 samples per prompt: no value task, the MLflow run has no value loss, the report builds."""
     overrides = {**flow_overrides, "advantage_estimator": "rloo", "samples_per_prompt": 2, "batch_size": 3,

@@ -199,7 +199,8 @@ def test_ppo_generate_answers_with_a_registered_version_and_names_a_missing_one(
     assert result.exit_code == 0, result.output
     expected = registry.generate_text(registry.load_registered_policy(registry.run_config("reg", cfg.artifact_root), 1),
                                       PROMPTS[:2], max_new_tokens=5)
-    assert result.output == "".join(f"> {p}\n{a}\n\n" for p, a in zip(PROMPTS[:2], expected))
+    assert result.stdout == "".join(f"> {p}\n{a}\n\n" for p, a in zip(PROMPTS[:2], expected))
+    assert result.stderr == "# ppo-reg version 1 (iteration 2 of run 'reg')\n"  # what was loaded, outside the answers
 
     missing = CliRunner().invoke(app, [*args, "--version", "9"])
     assert missing.exit_code == 2 and "'ppo-reg' has no version 9 (it has [1, 2])" in missing.output
