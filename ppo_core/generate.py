@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
+from ppo_core import progress
 from ppo_core.faults import failpoint
 from ppo_core.models import PolicyValueModel
 
@@ -105,6 +106,7 @@ def generate(
         else:
             mx.eval(logits)
         nxt, tok_lp = _sample_step(np.asarray(logits), temperature, None if uniforms is None else np.asarray(uniforms))
+        progress.advance(int((~finished).sum()))  # tokens sampled this step
         nxt = np.where(finished, model.pad_token_id, nxt).astype(np.int32)
         is_eos = np.isin(nxt, eos) & ~finished
         finished |= is_eos

@@ -19,6 +19,7 @@ Every rank then takes the same optimiser step.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,6 +29,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ppo_core import progress
 from ppo_core.advantage import to_grid
 from ppo_core.config import PPOConfig
 from ppo_core.faults import failpoint
@@ -300,25 +302,28 @@ def ppo_update(
     trunk_all = TRUNKS.get(model, tokens) if group is None else _shared_trunk(model, tokens, group)
     step = PPOStep(model, settings, optimizers, group)
     metrics: list[dict[str, float]] = []
-    for epoch in range(settings.epochs):
-        for mb, idx in enumerate(np.array_split(rng.permutation(n), settings.num_minibatches)):
-            idx = np.sort(idx)
-            denominator = None
-            if group is not None:
-                denominator = mx.array(float(max(lengths[idx].sum(), 1)))
-                idx = idx[len(idx) * rank // world : len(idx) * (rank + 1) // world]
-            batch = make_batch([data.prompt_ids[i] for i in idx], [data.response_ids[i] for i in idx], model.pad_token_id)
-            minibatch = Minibatch(
-                batch=batch,
-                trunk=trunk_all[mx.array(idx)][:, : batch.tokens.shape[1]],
-                old_logprob=grid(data.old_logprob, idx),
-                advantage=grid(data.advantage, idx),
-                old_value=grid(data.old_value, idx),
-                returns=grid(data.returns, idx),
-                where=f"epoch {epoch} minibatch {mb}",
-                denominator=denominator,
-            )
-            metrics.append({"step": len(metrics), "epoch": epoch, "minibatch": mb, **step(minibatch)})
-            failpoint("train.step")
+    steps = settings.epochs * settings.num_minibatches
+    with progress.report("training", steps, "steps") if rank == 0 else contextlib.nullcontext():
+        for epoch in range(settings.epochs):
+            for mb, idx in enumerate(np.array_split(rng.permutation(n), settings.num_minibatches)):
+                idx = np.sort(idx)
+                denominator = None
+                if group is not None:
+                    denominator = mx.array(float(max(lengths[idx].sum(), 1)))
+                    idx = idx[len(idx) * rank // world : len(idx) * (rank + 1) // world]
+                batch = make_batch([data.prompt_ids[i] for i in idx], [data.response_ids[i] for i in idx], model.pad_token_id)
+                minibatch = Minibatch(
+                    batch=batch,
+                    trunk=trunk_all[mx.array(idx)][:, : batch.tokens.shape[1]],
+                    old_logprob=grid(data.old_logprob, idx),
+                    advantage=grid(data.advantage, idx),
+                    old_value=grid(data.old_value, idx),
+                    returns=grid(data.returns, idx),
+                    where=f"epoch {epoch} minibatch {mb}",
+                    denominator=denominator,
+                )
+                metrics.append({"step": len(metrics), "epoch": epoch, "minibatch": mb, **step(minibatch)})
+                failpoint("train.step")
+                progress.advance()
     step.finish()
     return metrics

@@ -141,6 +141,23 @@ def test_ppo_train_prints_a_failure_inside_the_flow_in_one_line(flow_overrides, 
     assert any(r.exc_info for r in caplog.records if r.name.startswith("prefect"))
 
 
+def test_progress_lines_reach_the_prefect_task_run_logs(flow_overrides, monkeypatch):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    from ppo_core import progress
+
+    monkeypatch.setattr(progress, "EVERY_SECONDS", 0.0)
+    state = ppo(run="progress", iterations=1, overrides=flow_overrides, return_state=True)
+    APILogHandler().flush()  # the log worker is process-wide: send what is queued
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    messages = [(log.task_run_id is not None, log.message) for log in logs]
+    assert any(in_task and m.startswith("rollout of iteration 1: ") for in_task, m in messages)
+    assert any(in_task and m.startswith("training: ") for in_task, m in messages)
+
+
 def test_a_critic_free_run_through_the_flow_skips_the_value_task(flow_overrides, vowel_reward):
     """RLOO with 2 samples per prompt: no value task, the MLflow run has no value loss, the report builds."""
     overrides = {**flow_overrides, "advantage_estimator": "rloo", "samples_per_prompt": 2, "batch_size": 3,
