@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn, Optional
@@ -491,7 +492,19 @@ def ui(
         typer.echo(f"PPO runs, charts overlaid: http://{reachable_host(host)}:{port}/#/experiments/{exp.experiment_id}/runs"
                    "?workflowType=machine_learning&compareRunsMode=CHART")
     command, env = mlflow_ui_command(cfg, host, port, dict(os.environ))
-    subprocess.run(command, env=env, check=False)
+    # its own process group, stopped whole: MLflow's web worker must not outlive `ppo ui` killed by a signal
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+
+    def stop(*_args) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, lambda *a: (stop(), sys.exit(143)))
+    try:
+        proc.wait()
+    except KeyboardInterrupt:
+        stop()
+        proc.wait()
 
 
 if __name__ == "__main__":

@@ -107,8 +107,15 @@ def mlflow_ui_command(cfg, host: str, port: int, env: dict[str, str]) -> tuple[l
         sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(cfg), "--host", host, "--port", str(port),
         "--allowed-hosts", ",".join(hosts), "--cors-allowed-origins", origins(hosts),
         "--x-frame-options", "SAMEORIGIN",
+        "--workers", "1",  # one person looks at it: one web worker process, not MLflow's default of 4
     ]  # fmt: skip
-    return command, {k: v for k, v in env.items() if k not in MLFLOW_WEAKENING}
+    quiet = {
+        # MLflow's job runner (GenAI online scoring, trace archival) starts ~9 huey processes; PPO runs use none
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        # the server's own imports warn about Starlette's deprecated WSGI middleware on every start
+        "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore:starlette.middleware.wsgi is deprecated",
+    }
+    return command, {**{k: v for k, v in env.items() if k not in MLFLOW_WEAKENING}, **quiet}
 
 
 # Job variables a flow run may not set: the command the worker executes, its environment (which holds
