@@ -385,10 +385,14 @@ def _print_table(title: str, columns: list[str], rows: list[list]) -> None:
 def runs(root: Path = typer.Option(DEFAULT_ROOT, help="artifact root")) -> None:
     """Every run under the artifact root: iterations done, state, last score, KL and eval, registered version."""
     from ppo_core.run_index import list_runs
+    from ppo_core.runs import ArtifactIntegrityError
 
     if not root.is_dir():
         _fail(f"artifact root {root} does not exist (--root)")
-    found = list_runs(root)
+    try:
+        found = list_runs(root)
+    except ArtifactIntegrityError as exc:
+        _fail(_one_line(exc), 1)
     if not found:
         typer.echo(f"no runs under {root} yet: `ppo train --run NAME` starts one")
         return
@@ -405,16 +409,20 @@ def compare(
 ) -> None:
     """Two runs side by side: their config differences, then metrics of each iteration."""
     from ppo_core.run_index import HEADLINE, config_diff, metric_names, run_names, side_by_side
+    from ppo_core.runs import ArtifactIntegrityError
 
     known = run_names(root) if root.is_dir() else []
     missing = [r for r in (a, b) if r not in known]
     if missing:
         _fail(f"no run {', '.join(repr(m) for m in missing)} under {root}; runs: {', '.join(known) or 'none'}")
-    available = sorted(set(metric_names(root, a)) | set(metric_names(root, b)))
+    try:
+        available = sorted(set(metric_names(root, a)) | set(metric_names(root, b)))
+        diff = config_diff(root, a, b)
+    except ArtifactIntegrityError as exc:
+        _fail(_one_line(exc), 1)
     unknown = [m for m in metric if m not in available]
     if unknown:
         _fail(f"no metric {', '.join(repr(m) for m in unknown)} in runs {a}, {b}; metrics: {', '.join(available)}")
-    diff = config_diff(root, a, b)
     if diff:
         _print_table("config differences", ["field", a, b], [[k, json.dumps(x), json.dumps(y)] for k, x, y in diff])
     else:
@@ -481,16 +489,23 @@ def ui(
     from flows.serve import is_loopback, mlflow_ui_command, reachable_host
 
     cfg = load_config(overrides={"artifact_root": str(root)})
-    from ppo_core.track import EXPERIMENT, client
+    from ppo_core.track import EXPERIMENT, client, first_screen
 
     if not is_loopback(host):
         typer.secho(f"WARNING: the MLflow UI on {host} has no login: anyone who reaches it reads every run and "
                     "model; put an authenticating proxy in front of it", fg="yellow", err=True)
-    exp = client(cfg).get_experiment_by_name(EXPERIMENT)
+    mlf = client(cfg)
+    exp = mlf.get_experiment_by_name(EXPERIMENT)
     if exp is not None:
         # MLflow 3 opens experiments on its GenAI pages; PPO runs live under "Model training"
-        typer.echo(f"PPO runs, charts overlaid: http://{reachable_host(host)}:{port}/#/experiments/{exp.experiment_id}/runs"
-                   "?workflowType=machine_learning&compareRunsMode=CHART")
+        base = f"http://{reachable_host(host)}:{port}/#/experiments/{exp.experiment_id}"
+        view = first_screen(mlf, exp.experiment_id)
+        typer.echo(f"PPO runs, charts overlaid: {base}/runs?workflowType=machine_learning&compareRunsMode=CHART"
+                   f"&viewStateShareKey={view}")
+        latest = mlf.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)
+        if latest:  # a run page opens on its overview: its curves are on the model-metrics tab
+            typer.echo(f"latest run '{latest[0].info.run_name}', its curves: {base}/runs/{latest[0].info.run_id}/model-metrics"
+                       "?workflowType=machine_learning")
     command, env = mlflow_ui_command(cfg, host, port, dict(os.environ))
     # its own process group, stopped whole: MLflow's web worker must not outlive `ppo ui` killed by a signal
     proc = subprocess.Popen(command, env=env, start_new_session=True)

@@ -128,7 +128,8 @@ def iteration_metrics(phase_results: list[dict[str, Any]]) -> dict[str, float]:
         if phase not in phases.ITERATION_PHASES:
             continue
         out.update({f"{phase}/{k}": float(v) for k, v in r["stats"].items() if k != "tokens"})
-        if r["seconds"] > 0 and not r["cached"]:
+        # a reused phase reports the seconds it took when it ran: a resumed run logs what an uninterrupted one does
+        if r["seconds"] > 0:
             out[f"time/{phase}_seconds"] = r["seconds"]
             if "tokens" in r["stats"]:
                 out[f"time/{phase}_tokens_per_s"] = r["stats"]["tokens"] / r["seconds"]
@@ -139,6 +140,7 @@ def run(cfg: PPOConfig, iterations: int, runner: Runner | None = None) -> dict[i
     """Run the next ``iterations`` iterations of ``cfg.run`` without Prefect or MLflow."""
     runs.check_inputs(cfg)
     with runs.run_lock(cfg):
+        runs.remove_stale_temp_files(cfg)
         runs.pin_config(cfg)
         start(cfg, runner)
         first = runs.next_iteration(cfg)
@@ -146,7 +148,12 @@ def run(cfg: PPOConfig, iterations: int, runner: Runner | None = None) -> dict[i
 
 
 def run_tracked(
-    cfg: PPOConfig, iterations: int, runner: Runner | None = None, log: Callable[[str], None] = print
+    cfg: PPOConfig,
+    iterations: int,
+    runner: Runner | None = None,
+    log: Callable[[str], None] = print,
+    owner: str | None = None,
+    on_dead_owner: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the next ``iterations`` iterations of ``cfg.run`` with MLflow tracking.
 
@@ -154,9 +161,17 @@ def run_tracked(
     FINISHED, or FAILED with the reason as tag ``failure_reason``. On success
     the last iteration's policy adapter becomes a version of registered model
     ``ppo-<run>`` and the run's HTML report is rebuilt and logged.
+
+    ``owner`` names this process's run in the run's lock (a Prefect flow run);
+    ``on_dead_owner`` gets what a previous holder that died holding the lock
+    left there, so its orchestrator can record the crash.
     """
     runs.check_inputs(cfg)
-    with runs.run_lock(cfg):
+    with runs.run_lock(cfg, owner) as previous:
+        if previous and on_dead_owner is not None:
+            on_dead_owner(previous)
+        for stale in runs.remove_stale_temp_files(cfg):
+            log(f"removed {stale}, a temporary file left by a killed process")
         runs.pin_config(cfg)
         track.ensure_run(cfg)
         track.set_status(cfg, "RUNNING")

@@ -67,9 +67,10 @@ def _one_curve(column: str, title: str, label: str, caption: str) -> Chart:
 
 
 CHARTS = (
-    Chart("score", "Score", "Mean score of the rollouts (with the missing-EOS penalty) and of the held-out "
-          "evaluation (greedy; iteration 0 is the baseline before training).",
-          (Curve("mean_score", "rollouts"), Curve("eval_score", "eval"))),
+    Chart("score", "Score and reward", "Mean score of the rollouts (with the missing-EOS penalty) and of the held-out "
+          "evaluation (greedy; iteration 0 is the baseline before training), and the shaped reward PPO maximises: "
+          "the rollouts' score minus \u03b2 \u00b7 their summed KL.",
+          (Curve("mean_score", "rollouts"), Curve("mean_reward", "shaped reward"), Curve("eval_score", "eval"))),
     _one_curve("kl_per_token", "KL per token", "KL / token", "Mean per-token KL of the policy to the reference (k1 estimator)."),
     _one_curve("kl_per_response", "KL per response", "KL / response", "Mean over rollouts of the summed per-token KL."),
     _one_curve("entropy", "Entropy", "entropy", "Mean per-token entropy of the policy on its own rollouts."),
@@ -83,7 +84,7 @@ CHARTS = (
 )  # fmt: skip
 
 SUMMARY_COLUMNS = {
-    "mean_score": "score", "eval_score": "eval score", "kl_per_token": "KL / token",
+    "mean_score": "score", "mean_reward": "shaped reward", "eval_score": "eval score", "kl_per_token": "KL / token",
     "kl_per_response": "KL / response", "entropy": "entropy", "response_length": "length",
     "policy_loss": "policy loss", "value_loss": "value loss", "clip_fraction": "clip frac.",
     "approx_kl": "approx KL",
@@ -93,8 +94,9 @@ SUMMARY_COLUMNS = {
 _PER_ITERATION_SQL = {
     "rollouts": "SELECT iter, avg(len(response_token_ids)) AS response_length FROM rollouts {where} GROUP BY iter",
     # the score sits on the last token of each response: sum per rollout, then average
-    "rewards": """SELECT iter, avg(score) AS mean_score FROM (
-                      SELECT iter, rollout_id, sum(score) AS score FROM rewards {where} GROUP BY iter, rollout_id)
+    "rewards": """SELECT iter, avg(score) AS mean_score, avg(reward) AS mean_reward FROM (
+                      SELECT iter, rollout_id, sum(score) AS score, sum(reward) AS reward
+                      FROM rewards {where} GROUP BY iter, rollout_id)
                   GROUP BY iter""",
     "sa_pairs": """SELECT iter, avg(kl) AS kl_per_token, sum(kl) / count(DISTINCT rollout_id) AS kl_per_response,
                           avg(entropy) AS entropy
@@ -144,6 +146,14 @@ ORDER BY rollout_id, t
 _EVAL_SAMPLES_SQL = """
 SELECT prompt_id, prompt, response, response_tokens AS tokens, finish_reason AS finish, score
 FROM eval WHERE run = $run AND iter = $iter ORDER BY prompt_id
+"""
+
+# the same held-out prompts answered before training (iteration 0) and at $iter
+_EVAL_BEFORE_AFTER_SQL = """
+SELECT a.prompt_id, a.prompt, b.response AS before, b.score AS score_before,
+       a.response AS after, a.score AS score_after, a.finish_reason AS finish
+FROM eval a LEFT JOIN eval b ON b.run = a.run AND b.iter = 0 AND b.prompt_id = a.prompt_id
+WHERE a.run = $run AND a.iter = $iter ORDER BY a.prompt_id
 """
 
 
@@ -455,9 +465,17 @@ def eval_samples_html(con: duckdb.DuckDBPyConnection, run: str, iteration: int |
     if iteration is None:
         why = "no evaluation yet" if requested is None else f"no evaluation table for iteration {requested} (eval_size = 0?)"
         return f'<section id="eval"><h2>Evaluation samples</h2><p class="empty">{why}</p></section>'
-    samples = con.sql(_EVAL_SAMPLES_SQL, params={"run": run, "iter": iteration}).pl()
-    table = frame_table_html(samples, "eval-samples", {"prompt_id": "prompt id"})
-    return f'<section id="eval"><h2>Evaluation samples \u2014 iteration {iteration}</h2>{table}</section>'
+    params = {"run": run, "iter": iteration}
+    if iteration == 0:
+        table = frame_table_html(con.sql(_EVAL_SAMPLES_SQL, params=params).pl(), "eval-samples", {"prompt_id": "prompt id"})
+        return f'<section id="eval"><h2>Evaluation samples \u2014 iteration 0 (before training)</h2>{table}</section>'
+    samples = con.sql(_EVAL_BEFORE_AFTER_SQL, params=params).pl()
+    headers = {"prompt_id": "prompt id", "before": "before training (iteration 0)", "score_before": "score",
+               "after": f"iteration {iteration}", "score_after": "score"}
+    table = frame_table_html(samples, "eval-samples", headers)
+    return (f'<section id="eval"><h2>Evaluation samples \u2014 before training and at iteration {iteration}</h2>'
+            f'<p class="sub">The same held-out prompts, answered greedily by the starting policy and by iteration '
+            f'{iteration}\'s.</p>{table}</section>')
 
 
 # --------------------------------------------------------------------------- page
@@ -485,7 +503,9 @@ th, td { border-bottom: 1px solid var(--line); padding: 4px 8px; text-align: lef
 th { background: var(--soft); font-weight: 600; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 td.text { white-space: pre-wrap; overflow-wrap: anywhere; }
-#eval-samples td[data-col="response"], #eval-samples td[data-col="prompt"] { min-width: 240px; }
+#eval-samples td[data-col="response"], #eval-samples td[data-col="prompt"], #eval-samples td[data-col="before"],
+#eval-samples td[data-col="after"] { min-width: 220px; }
+#eval-samples td[data-col="finish"] { white-space: nowrap; }
 .legend { display: flex; align-items: center; gap: 8px; margin: 8px 0 14px; font-size: 12px; color: var(--muted); }
 .legend .bar { display: inline-block; width: 220px; height: 12px; border: 1px solid var(--line); border-radius: 2px; }
 .rollout { border: 1px solid var(--line); border-radius: 6px; padding: 8px 10px; margin-bottom: 10px; }

@@ -9,7 +9,6 @@ failed flow run's state come from the MLflow store, when there is one.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,7 @@ def iteration_metrics(layout: RunLayout) -> pl.DataFrame:
 
     rows = []
     for it in layout.completed_iterations():
-        phases = json.loads(layout.manifest(it).read_text()).get("phases", {})
+        phases = runs.read_json(layout.manifest(it), f"the manifest of iteration {it}").get("phases", {})
         results = [{"phase": p, **v} for p, v in phases.items()]
         rows.append({"iteration": it, **{k: v for k, v in metrics_of(results).items() if not k.startswith("time/")}})
     return pl.DataFrame(rows) if rows else pl.DataFrame({"iteration": []}, schema={"iteration": pl.Int64})
@@ -101,7 +100,7 @@ def list_runs(root: Path) -> list[RunSummary]:
 
 def config_diff(root: Path, a: str, b: str) -> list[tuple[str, Any, Any]]:
     """(field, value in a, value in b) for every config field the two runs differ in."""
-    ca, cb = (json.loads(RunLayout(root, r).run_json.read_text())["config"] for r in (a, b))
+    ca, cb = (runs.read_json(RunLayout(root, r).run_json, "the run's pinned config")["config"] for r in (a, b))
     return [(k, ca.get(k), cb.get(k)) for k in sorted(set(ca) | set(cb)) if k not in ("run",) and ca.get(k) != cb.get(k)]
 
 

@@ -9,7 +9,7 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import polars as pl
 
@@ -208,8 +208,13 @@ def preflight(cfg: PPOConfig) -> None:
 
 
 @contextlib.contextmanager
-def run_lock(cfg: PPOConfig):
-    """Exclusive lock on a run: two processes never interleave one run's iterations."""
+def run_lock(cfg: PPOConfig, owner: str | None = None) -> Iterator[str]:
+    """Exclusive lock on a run: two processes never interleave one run's iterations.
+
+    The lock file names its holder (and ``owner``, e.g. a Prefect flow run)
+    while held, and is emptied on a clean exit; the block receives what the
+    previous holder left: empty, or the name of a holder that died holding it.
+    """
     path = cfg.layout.lock
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(path, "a+")
@@ -221,15 +226,34 @@ def run_lock(cfg: PPOConfig):
         fh.close()
         raise RunBusyError(f"run '{cfg.run}' is being trained by {holder}; wait for it to finish") from None
     fh.seek(0)
+    previous = fh.read().strip()
+    fh.seek(0)
     fh.truncate()
     # on a shared filesystem the holder may be on another machine: name it
-    fh.write(f"pid {os.getpid()} on host {socket.gethostname()}")
+    fh.write(f"pid {os.getpid()} on host {socket.gethostname()}" + (f", {owner}" if owner else ""))
     fh.flush()
     try:
-        yield
+        yield previous
     finally:
+        fh.seek(0)
+        fh.truncate()
         fcntl.flock(fh, fcntl.LOCK_UN)
         fh.close()
+
+
+TEMP_FILE_GLOB = ".*.tmp*"  # tables.atomic_path's temporary names: .<stem>.<random>.tmp<suffix>
+
+
+def remove_stale_temp_files(cfg: PPOConfig) -> list[Path]:
+    """Delete the temporary files a killed process left in the run's folder; call it holding the run's lock.
+
+    Every writer of a run's files runs under its lock (shards too, inside the
+    flow run that holds it), so with the lock held no temporary file is live.
+    """
+    stale = [p for p in cfg.layout.run_dir.rglob(TEMP_FILE_GLOB) if p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
 
 
 def next_iteration(cfg: PPOConfig) -> int:

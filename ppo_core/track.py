@@ -115,6 +115,24 @@ def log_iteration(cfg: PPOConfig, iteration: int, metrics: dict[str, float], ste
         mlf.log_table(run_id, data=samples.to_pandas(), artifact_file=f"samples/{iter_label(iteration)}.json")
 
 
+# What the chart view of the PPO experiment shows first: the curves a PPO user reads before any other
+# (MLflow lists metric sections alphabetically, so advantage/, attribute/ would come first). The filter is
+# the chart view's own search box, a regular expression: clearing it shows every chart.
+FIRST_SCREEN_KEY = "ppo-first-screen"
+FIRST_SCREEN_CHARTS = r"^(reward/(score|kl|reward)|evaluate/eval_score)$"
+
+
+def first_screen(mlf, experiment_id: str) -> str:
+    """Save the PPO first screen as a shared view of the experiment; returns its ``viewStateShareKey``.
+
+    MLflow's UI opens a view saved in experiment tag ``mlflow.sharedViewState.<key>`` (plain JSON of its
+    UI state) when the URL names the key.
+    """
+    state = json.dumps({"chartsSearchFilter": FIRST_SCREEN_CHARTS, "hideEmptyCharts": True})
+    mlf.set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{FIRST_SCREEN_KEY}", state)
+    return FIRST_SCREEN_KEY
+
+
 def log_report(cfg: PPOConfig, path: Path) -> None:
     """The run's HTML report as artifact ``report.html`` (replaced by each flow run); MLflow's viewer shows it."""
     client(cfg).log_artifact(ensure_run(cfg), str(path))

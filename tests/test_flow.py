@@ -158,6 +158,50 @@ def test_progress_lines_reach_the_prefect_task_run_logs(flow_overrides, monkeypa
     assert any(in_task and m.startswith("training: ") for in_task, m in messages)
 
 
+def test_a_resumed_flow_logs_every_phase_time_and_marks_the_dead_flow_run_crashed(flow_overrides, monkeypatch):
+    """A flow run killed mid-iteration: the next one resumes, logs the reused phases' times, and closes the dead one."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Running
+
+    from ppo_core import phases
+
+    cfg = load_config(overrides={**flow_overrides, "run": "heir"})
+    original, calls = phases.make_reward, []
+
+    def dies_at_iteration_1(*args, **kwargs):  # iteration 0's evaluation scores; iteration 1's reward phase dies
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("killed")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(phases, "make_reward", dies_at_iteration_1)
+    with pytest.raises(Exception, match="killed"):
+        ppo(run="heir", iterations=1, overrides=flow_overrides)
+    monkeypatch.setattr(phases, "make_reward", original)
+    assert cfg.layout.table(1, "sa_pairs").is_file() and not cfg.layout.table(1, "rewards").exists()
+
+    # what a SIGKILLed flow run leaves: its state RUNNING in the server and its name in the run's lock
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow(ppo)
+        dead = client.create_flow_run(ppo, name="killed-run")
+        client.set_flow_run_state(dead.id, Running(), force=True)
+    cfg.layout.lock.write_text(f"pid 999999 on host gone, flow run {dead.id}")
+    stale = cfg.layout.iter_dir(0) / ".eval.x1.tmp.parquet"
+    stale.write_bytes(b"half")
+
+    ppo(run="heir", iterations=1, overrides=flow_overrides)
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(dead.id).state
+    assert state.type.value == "CRASHED" and "died holding the run's lock" in state.message
+    assert not stale.exists()
+    # the phases reused from the killed flow run are timed like the ones that ran now
+    logged = track.run_metrics(cfg)
+    for phase in ("rollout", "attribute", "reward", "value", "advantage", "train"):
+        record = json.loads(cfg.layout.phase_record(1, phase).read_text())
+        assert logged[f"time/{phase}_seconds"] == [(1, pytest.approx(record["seconds"]))], phase
+    assert flow_id is not None
+
+
 def test_a_critic_free_run_through_the_flow_skips_the_value_task(flow_overrides, vowel_reward):
     """RLOO with 2 samples per prompt: no value task, the MLflow run has no value loss, the report builds."""
     overrides = {**flow_overrides, "advantage_estimator": "rloo", "samples_per_prompt": 2, "batch_size": 3,

@@ -107,6 +107,14 @@ def test_chart_view_overlays_both_runs_and_compare_page_shows_beta(mlflow_ui, tw
     page.goto(chart_url)
     for name in names:
         page.get_by_text(name, exact=True).first.wait_for(timeout=60_000)
+    # the first screen: reward, KL, shaped reward and eval curves, nothing before them
+    search = page.get_by_placeholder("Search metric charts")
+    search.wait_for(timeout=60_000)
+    assert search.input_value() == track.FIRST_SCREEN_CHARTS
+    for metric in ("reward/score", "reward/kl", "reward/reward", "evaluate/eval_score"):
+        page.get_by_text(f"{names[0]} ({metric})").first.wait_for(timeout=30_000)
+    assert page.get_by_text(f"{names[0]} (attribute/entropy)").count() == 0
+    page.screenshot(path=str(test_artifacts / "mlflow-first-screen.png"), full_page=True)
     # the KL curve of each run is drawn in one overlaid chart
     page.get_by_placeholder("Search metric charts").fill("reward/kl")
     for name in names:
@@ -116,6 +124,18 @@ def test_chart_view_overlays_both_runs_and_compare_page_shows_beta(mlflow_ui, tw
     box = chart.bounding_box()
     assert box and box["width"] > 100 and box["height"] > 100
     page.screenshot(path=str(test_artifacts / "mlflow-chart-view.png"), full_page=True)
+
+    # the second URL `ppo ui` prints opens the latest run on its curves (model metrics), not its overview
+    printed = proc.stdout.readline()
+    run_url = re.search(r"(http://\S+)", printed).group(1)
+    assert f"'{names[-1]}'" in printed and f"/runs/{runs[names[-1]].info.run_id}/model-metrics" in run_url
+    page.goto(run_url)
+    run_search = page.get_by_placeholder("Search metric charts")  # only the model-metrics tab has it
+    run_search.wait_for(timeout=60_000)
+    run_search.fill("reward/kl")
+    page.get_by_text(f"{names[-1]} (reward/kl)").first.wait_for(timeout=30_000)
+    page.screenshot(path=str(test_artifacts / "mlflow-run-model-metrics.png"), full_page=True)
+    assert "Model training" in page.inner_text("body")
 
     ids = json.dumps([runs[n].info.run_id for n in names])
     page.goto(f"{url}/#/compare-runs?runs={ids}&experiments={json.dumps([exp_id])}")

@@ -83,7 +83,8 @@ def expected_summary(root: Path, iteration: int) -> dict[str, float]:
     read = lambda name: pl.read_parquet(path(name)) if path(name).is_file() else None  # noqa: E731
     out: dict[str, float] = {}
     if (rw := read("rewards")) is not None:
-        out["mean_score"] = rw.group_by("rollout_id").agg(pl.col("score").cast(F64).sum())["score"].mean()
+        per_rollout = rw.group_by("rollout_id").agg(pl.col("score", "reward").cast(F64).sum())
+        out["mean_score"], out["mean_reward"] = per_rollout["score"].mean(), per_rollout["reward"].mean()
     if (sa := read("sa_pairs")) is not None:
         kl = sa["kl"].cast(F64)
         out |= {"kl_per_token": kl.mean(), "kl_per_response": kl.sum() / sa["rollout_id"].n_unique(),
@@ -119,7 +120,7 @@ def test_numbers_per_iteration_match_the_tables(store):
                 assert float(cell) == pytest.approx(expected[col], rel=1e-3, abs=1e-9), (it, col)
             else:
                 assert cell == "\u2013", (it, col)  # not measured in that iteration: a dash, never a fake 0
-    assert set(expected_summary(root, 1)) >= {"mean_score", "kl_per_token", "entropy", "policy_loss", "clip_fraction"}
+    assert set(expected_summary(root, 1)) >= {"mean_score", "mean_reward", "kl_per_token", "entropy", "policy_loss", "clip_fraction"}
 
 
 def test_header_lists_completed_and_in_progress_iterations_and_the_pinned_config(store):
@@ -175,7 +176,12 @@ def test_batch_heatmap_matrix_is_every_rollout_by_score_and_position(store):
 def test_eval_samples_are_escaped_text_in_prompt_order(store):
     _, _, _, page = store
     evals = section(page, "eval")
-    assert "Evaluation samples \u2014 iteration 2" in evals
+    assert "Evaluation samples \u2014 before training and at iteration 2" in evals
+    # each row: the prompt's answer at iteration 0 beside its answer now (eval-0001 was not asked at iteration 0)
+    rows = {m[0]: m[1] for m in re.findall(r'<tr><td data-col="prompt_id" class="text">(eval-\d+)</td>(.*?)</tr>', evals, re.S)}
+    assert '<td data-col="before" class="text">r</td><td data-col="score_before" class="num">0.5</td>' in rows["eval-0000"]
+    assert '<td data-col="after" class="text">Hi there!</td><td data-col="score_after" class="num">0.75</td>' in rows["eval-0000"]
+    assert '<td data-col="before" class="text"></td>' in rows["eval-0001"]
     assert "&lt;script&gt;alert(1)&lt;/script&gt;\u21b5\nsecond line" in evals
     assert "Say &lt;b&gt;hi&lt;/b&gt; &amp; &quot;bye&quot;" in evals
     assert "<script" not in page and "<b>hi</b>" not in page

@@ -25,3 +25,30 @@ def test_pinned_config_lists_the_changed_fields(tiny_cfg):
     pin_config(tiny_cfg(run="p"))  # same config: fine
     with pytest.raises(ConfigError, match=r"changed: gamma: 1.0 -> 0.9, lam: 0.95 -> 0.9"):
         pin_config(tiny_cfg(run="p", gamma=0.9, lam=0.9))
+
+
+def test_the_lock_names_its_holder_while_held_and_hands_a_dead_holders_name_to_the_next(tiny_cfg):
+    cfg = tiny_cfg(run="heir")
+    with run_lock(cfg, owner="flow run 1") as previous:
+        assert previous == "" and cfg.layout.lock.read_text().endswith(", flow run 1")
+    assert cfg.layout.lock.read_text() == ""  # a clean exit leaves no name behind
+    cfg.layout.lock.write_text("pid 4242 on host gone, flow run 2")  # what a killed holder leaves
+    with run_lock(cfg) as previous:
+        assert previous == "pid 4242 on host gone, flow run 2"
+
+
+def test_temporary_files_of_a_killed_process_are_removed_when_the_run_resumes(tiny_cfg):
+    from ppo_core import pipeline
+
+    cfg = tiny_cfg(run="tmp")
+    pipeline.run(cfg, 1)
+    stale = [cfg.layout.checkpoint(1).dir / ".policy_adapter.k3j1x.tmp.safetensors",
+             cfg.layout.iter_dir(1) / ".rollouts.8f2a.tmp.parquet", cfg.layout.iter_dir(1) / "phases" / ".train.q1.tmp.json"]
+    for p in stale:
+        p.write_bytes(b"half written")
+    kept = cfg.layout.iter_dir(1) / "notes.tmp"  # not one of ours: left alone
+    kept.write_text("mine")
+    before = {p: p.read_bytes() for p in cfg.layout.run_dir.rglob("*.parquet") if not p.name.startswith(".")}
+    pipeline.run(cfg, 1)
+    assert not any(p.exists() for p in stale) and kept.exists()
+    assert all(p.read_bytes() == b for p, b in before.items())  # nothing finished was touched

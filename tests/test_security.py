@@ -65,7 +65,7 @@ def test_mlflow_ui_gets_explicit_guards_and_no_inherited_loosening(tmp_path):
     loosened = {"MLFLOW_SERVER_DISABLE_SECURITY_MIDDLEWARE": "true", "MLFLOW_SERVER_ALLOWED_HOSTS": "*",
                 "MLFLOW_SERVER_CORS_ALLOWED_ORIGINS": "*", "PATH": "/usr/bin"}
     command, env = mlflow_ui_command(cfg, "127.0.0.1", 5000, loosened)
-    assert env == {"PATH": "/usr/bin"}
+    assert {k: v for k, v in env.items() if k not in ("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "PYTHONWARNINGS")} == {"PATH": "/usr/bin"}
     flags = dict(zip(command[::1], command[1::1]))
     assert flags["--allowed-hosts"] == "127.0.0.1:5000,localhost:5000"
     assert flags["--cors-allowed-origins"] == "http://127.0.0.1:5000,http://localhost:5000"
