@@ -10,7 +10,6 @@ phase as a Prefect task, in its own process or on a Ray cluster
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import ppo_core  # noqa: F401  (loads OpenBLAS before mlx)
@@ -21,6 +20,7 @@ from ppo_core import pipeline
 from ppo_core.allowed_paths import check_allowed_paths, check_config_file
 from ppo_core.config import load_config
 from tasks.cluster import execution
+from tasks.flow_runs import mark_crashed
 
 
 MAX_ITERATIONS = 1000  # per flow run: a run continues where the last flow run stopped
@@ -58,29 +58,3 @@ def ppo(
             cfg, iterations, runner, get_run_logger().info, owner=this_run,
             on_dead_owner=lambda previous: mark_crashed(previous, f"run '{run}' was resumed by {this_run}"),
         )
-
-
-def mark_crashed(previous_holder: str, why: str) -> None:
-    """Mark the flow run named in a dead lock holder's line CRASHED, if Prefect still shows it unfinished.
-
-    A flow run whose process was killed stays RUNNING in the Prefect server
-    forever; the next flow run of the same PPO run finds its name in the lock.
-    """
-    from uuid import UUID
-
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-    from prefect.states import Crashed
-
-    found = re.search(r"flow run ([0-9a-f-]{36})", previous_holder)
-    if found is None:
-        return
-    with get_client(sync_client=True) as client:
-        try:
-            dead = client.read_flow_run(UUID(found.group(1)))
-        except ObjectNotFound:  # another Prefect server, or deleted
-            return
-        if dead.state is not None and not dead.state.is_final():
-            message = f"its process ({previous_holder}) died holding the run's lock; {why}"
-            client.set_flow_run_state(dead.id, Crashed(message=message), force=True)
-            get_run_logger().warning(f"marked {dead.name} CRASHED: {message}")

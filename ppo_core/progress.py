@@ -1,7 +1,7 @@
 """Progress of a long phase: done / total, rate and ETA, logged every few seconds while it runs.
 
 A phase opens ``report(...)`` around its long loop and the loop calls
-``advance(n)``; the line goes to logger ``ppo.progress``, which Prefect
+``advance(n)``; the line goes to logger ``ppo_core.progress``, which Prefect
 attaches to its console and API handlers (``PREFECT_LOGGING_EXTRA_LOGGERS``),
 so it shows in the terminal and in the task run's logs in the Prefect UI.
 Code that runs with no report open (a test, a notebook) advances nothing.
@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Iterator
 
-LOG = logging.getLogger("ppo.progress")
+LOG = logging.getLogger(__name__)  # ppo_core.progress
 LOG.setLevel(logging.INFO)  # shown wherever a handler listens (Prefect's console and API), whatever the root's level
 EVERY_SECONDS = 5.0
 

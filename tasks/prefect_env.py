@@ -16,7 +16,7 @@ PREFECT_DEFAULTS = {
     "DO_NOT_TRACK": "1",
     "PREFECT_LOGGING_LOG_PRINTS": "true",
     # ppo_core.progress: a long phase's progress in the terminal and in the task run's logs
-    "PREFECT_LOGGING_EXTRA_LOGGERS": "ppo",
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "ppo_core",
 }
 
 

@@ -91,7 +91,7 @@ def test_deployment_iterates_and_resumes(served, tiny_cfg):
 
     # the next iteration on two Ray workers (a local Ray the flow run starts and stops): `-p workers=2`
     second = _deployment_run(served, {"run": "deployed", "iterations": 1, "overrides": overrides, "workers": 2})
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert second.returncode == 0, _last_flow_run_message(served) + second.stdout[-3000:] + second.stderr[-3000:]
     assert cfg.layout.completed_iterations() == [0, 1, 2]
     assert all(p.stat().st_mtime_ns == t for p, t in records.items()), "iteration 1 was recomputed"
     assert cfg.layout.phase_record(2, "rollout.part-1-of-2").is_file()  # iteration 2 ran sharded

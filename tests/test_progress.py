@@ -10,7 +10,7 @@ from ppo_core import pipeline, progress
 
 
 def test_a_report_logs_at_most_every_interval_and_nothing_without_one(monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="ppo.progress")
+    caplog.set_level(logging.INFO, logger="ppo_core.progress")
     progress.advance(5)  # no report open: nothing happens
     clock = iter([0.0, 0.0, 1.0, 6.0, 7.0])
     monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
@@ -23,10 +23,10 @@ def test_a_report_logs_at_most_every_interval_and_nothing_without_one(monkeypatc
 
 def test_rollout_training_and_evaluation_report_progress(tiny_cfg, monkeypatch, caplog):
     monkeypatch.setattr(progress, "EVERY_SECONDS", 0.0)
-    caplog.set_level(logging.INFO, logger="ppo.progress")
+    caplog.set_level(logging.INFO, logger="ppo_core.progress")
     cfg = tiny_cfg()
     pipeline.run(cfg, 1)
-    lines = [r.getMessage() for r in caplog.records if r.name == "ppo.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ppo_core.progress"]
     steps = cfg.ppo_epochs * cfg.num_minibatches
     assert f"training: {steps}/{steps} steps (100%)" in "\n".join(lines)
     assert any(line.startswith(f"rollout of iteration 1: ") and f"/{cfg.batch_size * cfg.max_new_tokens} tokens" in line for line in lines)
