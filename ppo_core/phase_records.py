@@ -65,14 +65,15 @@ def _valid_record(cfg: PPOConfig, iteration: int, phase: str, key: str) -> dict[
     path = cfg.layout.phase_record(iteration, phase)
     try:
         record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if record.get("key") != key:
-        return None
-    for name, p in record["outputs"].items():
-        # a cached result never hands back a path to a file that is gone or altered
-        if not Path(p).is_file() or sha256_file(Path(p)) != record["hashes"][name]:
+        if not isinstance(record, dict) or record.get("key") != key:
             return None
+        for name, p in record["outputs"].items():
+            # a cached result never hands back a path to a file that is gone or altered
+            if not Path(p).is_file() or sha256_file(Path(p)) != record["hashes"][name]:
+                return None
+        float(record["seconds"]), dict(record["stats"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a damaged record (bad UTF-8, JSON, fields): run again
+        return None
     return record
 
 

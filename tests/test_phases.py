@@ -130,6 +130,23 @@ def test_rerun_reuses_every_phase_and_recomputes_damaged_outputs(one_iteration):
     assert third["advantage"].hashes == first["advantage"].hashes
     assert third["evaluate"].hashes == first["evaluate"].hashes
 
+    # one flipped byte: in a table (its hash), in a phase record (invalid UTF-8, or a digit of a recorded hash)
+    sa = cfg.layout.table(1, "sa_pairs")
+    data = bytearray(sa.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    sa.write_bytes(bytes(data))
+    record = cfg.layout.phase_record(1, "reward")
+    record.write_bytes(record.read_bytes().replace(b'"reward"', b'"rew\xffrd"', 1))
+    value_record = cfg.layout.phase_record(1, "value")
+    text = value_record.read_text()
+    digest = json.loads(text)["hashes"]["values"]
+    value_record.write_text(text.replace(digest, ("0" if digest[0] != "0" else "1") + digest[1:]))
+    fourth = run_iteration(cfg, 1)
+    assert not fourth["attribute"].cached and not fourth["reward"].cached and not fourth["value"].cached
+    assert fourth["rollout"].cached
+    for phase in ("attribute", "reward", "value"):
+        assert fourth[phase].hashes == first[phase].hashes, phase
+
 
 def test_same_seed_same_bytes_in_a_fresh_run(one_iteration, tiny_cfg, tmp_path):
     cfg, first = one_iteration
