@@ -24,16 +24,12 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from local_servers import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
 
 RAY = str(Path(sys.executable).with_name("ray"))
 TABLES = ("rollouts", "sa_pairs", "rewards", "values", "advantages", "eval", "metrics")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ray_pids(marker: str) -> list[int]:
@@ -58,12 +54,12 @@ def ray_cluster(tmp_path_factory):
     try:
         # a head that exits at once (a port Ray picks for itself was taken meanwhile) is started again on new ports
         for attempt in range(3):
-            port = _free_port()
+            port = free_port()
             log = temp / f"head-{attempt}.log"
             with open(log, "w") as out:
                 head = subprocess.Popen(
                     [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
-                     f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+                     f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
                      "--include-dashboard=false", *common],
                     env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
                 )  # fmt: skip

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,32 +13,20 @@ from pathlib import Path
 import pytest
 
 from ppo_core import track
+from local_servers import free_port, processes_mentioning
 from ppo_core.config import PROJECT_ROOT, PPOConfig
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _procs_with_env(marker: str) -> list[int]:
-    pids = []
-    for env in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if marker.encode() in env.read_bytes():
-                pids.append(int(env.parent.name))
-        except OSError:
-            continue
-    return [p for p in pids if p != os.getpid()]
+    return [pid for pid, _ in processes_mentioning(marker, "environ") if pid != os.getpid()]
 
 
 @pytest.fixture
 def served(tmp_path, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     home = tmp_path / "prefect-home"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
     # the worker's allowed roots: the tests' temporary folders (tiny model, artifact roots) and the shipped data

@@ -8,14 +8,9 @@ import time
 import pytest
 from typer.testing import CliRunner
 
+from local_servers import free_port
 from ppo_core.config import ConfigError
 from tasks.cluster import check_execution, execution, worker_env
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # nothing listens once the socket is closed
 
 
 def test_bad_execution_parameters_name_the_parameter():
@@ -28,7 +23,7 @@ def test_bad_execution_parameters_name_the_parameter():
 
 
 def test_an_unreachable_cluster_fails_at_once_with_the_address():
-    address = f"127.0.0.1:{_closed_port()}"
+    address = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match=f"cannot reach the Ray cluster at {address}: Connection refused"):
         with execution(2, address):
@@ -54,7 +49,7 @@ def test_workers_get_one_blas_thread_and_the_test_fault_points(monkeypatch):
 def test_the_cli_refuses_an_unreachable_cluster_before_prefect_starts(tiny_cfg):
     from flows.cli import app
 
-    address = f"127.0.0.1:{_closed_port()}"
+    address = f"127.0.0.1:{free_port()}"
     cfg = tiny_cfg()
     result = CliRunner().invoke(app, ["train", "--workers", "2", "--ray-address", address,
                                       "--set", f"model={cfg.model}", "--set", f"artifact_root={cfg.artifact_root}"])

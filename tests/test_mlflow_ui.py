@@ -9,11 +9,8 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,28 +18,10 @@ import pytest
 from flows.ppo import ppo
 from ppo_core import track
 from ppo_core.config import load_config
+from local_servers import free_port, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
 BETAS = (0.02, 0.5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"ppo ui exited with code {proc.returncode}:\n{proc.stdout.read()}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"the MLflow UI did not answer on {url} within {timeout:.0f}s")
 
 
 @pytest.fixture
@@ -63,7 +42,7 @@ def two_runs(tiny_cfg):
 @pytest.fixture
 def mlflow_ui(two_runs):
     cfg, _ = two_runs
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("ppo")), "ui", "--root", str(cfg.artifact_root), "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -72,7 +51,7 @@ def mlflow_ui(two_runs):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc)
+        wait_healthy(url, proc)
         yield url, proc
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
