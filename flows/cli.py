@@ -144,10 +144,14 @@ def _output_format(fmt: Optional[str], output: Optional[Path]) -> str:
     return fmt
 
 
-def _emit(rel, fmt: str, output: Optional[Path], max_rows: Optional[int]) -> None:
+def _emit(rel, fmt: str, output: Optional[Path], max_rows: Optional[int]) -> int:
+    """Show or write the query's result, executing it once; returns its number of rows."""
     if fmt == "table":
-        rel.show(max_width=200, max_rows=max_rows or 40)
-        return
+        import duckdb
+
+        result = rel.to_arrow_table()  # what show() would materialise anyway; the row count comes with it
+        duckdb.from_arrow(result).show(max_width=200, max_rows=max_rows or 40)
+        return result.num_rows
     df = (rel.limit(max_rows) if max_rows else rel).pl()
     try:
         if fmt == "csv":
@@ -160,6 +164,7 @@ def _emit(rel, fmt: str, output: Optional[Path], max_rows: Optional[int]) -> Non
             df.write_parquet(output)
     except OSError as exc:
         _fail(f"cannot write {output}: {exc.strerror}", 1)
+    return df.height
 
 
 def _views(con) -> list[str]:
@@ -191,8 +196,7 @@ def _run_statement(con, statement: str, root: Path, fmt: str, output: Optional[P
             for _, plan in rel.fetchall():
                 typer.echo(plan)
             return
-        _emit(rel, fmt, output, max_rows)
-        empty = not rel.limit(1).fetchall()
+        empty = _emit(rel, fmt, output, max_rows) == 0
     except duckdb.CatalogException as exc:
         views = _views(con)
         raise ValueError(f"{_one_line(exc)} (tables here: {', '.join(views) if views else 'none'})") from None
@@ -408,7 +412,8 @@ def compare(
     metric: list[str] = typer.Option([], help="per-iteration metric to show, e.g. train/approx_kl (repeatable; default: score, KL, reward, eval, length)"),
 ) -> None:
     """Two runs side by side: their config differences, then metrics of each iteration."""
-    from ppo_core.run_index import HEADLINE, config_diff, metric_names, run_names, side_by_side
+    from ppo_core.layout import RunLayout
+    from ppo_core.run_index import HEADLINE, config_diff, iteration_metrics, run_names, side_by_side
     from ppo_core.runs import ArtifactIntegrityError
 
     known = run_names(root) if root.is_dir() else []
@@ -416,10 +421,11 @@ def compare(
     if missing:
         _fail(f"no run {', '.join(repr(m) for m in missing)} under {root}; runs: {', '.join(known) or 'none'}")
     try:
-        available = sorted(set(metric_names(root, a)) | set(metric_names(root, b)))
+        frames = {r: iteration_metrics(RunLayout(root, r)) for r in (a, b)}
         diff = config_diff(root, a, b)
     except ArtifactIntegrityError as exc:
         _fail(_one_line(exc), 1)
+    available = sorted({c for df in frames.values() for c in df.columns} - {"iteration"})
     unknown = [m for m in metric if m not in available]
     if unknown:
         _fail(f"no metric {', '.join(repr(m) for m in unknown)} in runs {a}, {b}; metrics: {', '.join(available)}")
@@ -427,7 +433,7 @@ def compare(
         _print_table("config differences", ["field", a, b], [[k, json.dumps(x), json.dumps(y)] for k, x, y in diff])
     else:
         typer.echo("same config")
-    df = side_by_side(root, a, b, tuple(metric) or HEADLINE)
+    df = side_by_side(frames, tuple(metric) or HEADLINE)
     _print_table("per iteration", df.columns, [list(r) for r in df.iter_rows()])
 
 

@@ -130,13 +130,17 @@ def generate(
 
 
 def generate_chunked(
-    model: PolicyValueModel, prompt_ids: list[list[int]], *, chunk: int, seeds: list[int], **kwargs
+    model: PolicyValueModel, prompt_ids: list[list[int]], *, chunk: int, seeds: list[int], what: str = "sampling", **kwargs
 ) -> Generation:
-    """``generate`` over ``chunk`` prompts at a time: the same tokens (each row keyed by its seed), bounded memory."""
-    parts = [
-        generate(model, prompt_ids[lo : lo + chunk], seeds=seeds[lo : lo + chunk], **kwargs)
-        for lo in range(0, len(prompt_ids), chunk)
-    ]
+    """``generate`` over ``chunk`` prompts at a time: the same tokens (each row keyed by its seed), bounded memory.
+
+    Its progress is reported as ``what`` (``ppo_core.progress``), in tokens out of at most every row's maximum.
+    """
+    with progress.report(what, len(prompt_ids) * kwargs["max_new_tokens"], "tokens"):
+        parts = [
+            generate(model, prompt_ids[lo : lo + chunk], seeds=seeds[lo : lo + chunk], **kwargs)
+            for lo in range(0, len(prompt_ids), chunk)
+        ]
     return Generation(
         response_ids=[r for p in parts for r in p.response_ids],
         finish_reasons=[f for p in parts for f in p.finish_reasons],

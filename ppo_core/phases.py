@@ -31,7 +31,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ppo_core import progress
 from ppo_core.advantage import critic_free, gae
 from ppo_core.config import PPOConfig
 from ppo_core.layout import Checkpoint
@@ -492,11 +491,10 @@ def _rollout_rows(cfg: PPOConfig, iteration: int, shard: Shard, checkpoint: Chec
     prompt_ids = render_prompts(model, chosen["prompt"].to_list())
     check_prompt_lengths(chosen, [len(p) for p in prompt_ids], cfg.max_new_tokens, _context_length(model), cfg.prompts_path)
     seeds = phase_row_seeds(cfg, iteration, "rollout", rollout_ids)
-    with progress.report(f"rollout of iteration {iteration}", len(prompt_ids) * cfg.max_new_tokens, "tokens"):
-        gen = generate_chunked(
-            model, prompt_ids, chunk=cfg.generation_batch_size, adapter=POLICY, max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature, seeds=seeds,
-        )
+    gen = generate_chunked(
+        model, prompt_ids, chunk=cfg.generation_batch_size, adapter=POLICY, max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature, seeds=seeds, what=f"rollout of iteration {iteration}",
+    )
     return _as_table("rollouts", {
         "rollout_id": rollout_ids.astype(np.int32),
         "prompt_id": chosen["prompt_id"].to_list(),
@@ -576,11 +574,11 @@ def _evaluate_rows(cfg: PPOConfig, iteration: int, shard: Shard, checkpoint: Che
     model = model_for(cfg, checkpoint, (POLICY,))
     prompt_ids = render_prompts(model, prompts["prompt"].to_list())
     check_prompt_lengths(prompts, [len(p) for p in prompt_ids], cfg.eval_max_new_tokens, _context_length(model), cfg.eval_prompts_path)
-    with progress.report(f"evaluation of iteration {iteration}", len(prompt_ids) * cfg.eval_max_new_tokens, "tokens"):
-        gen = generate_chunked(
-            model, prompt_ids, chunk=cfg.generation_batch_size, adapter=POLICY, max_new_tokens=cfg.eval_max_new_tokens,
-            temperature=cfg.eval_temperature, seeds=phase_row_seeds(cfg, iteration, "evaluate", rows),
-        )
+    gen = generate_chunked(
+        model, prompt_ids, chunk=cfg.generation_batch_size, adapter=POLICY, max_new_tokens=cfg.eval_max_new_tokens,
+        temperature=cfg.eval_temperature, seeds=phase_row_seeds(cfg, iteration, "evaluate", rows),
+        what=f"evaluation of iteration {iteration}",
+    )
     return _as_table("eval", {
         "prompt_id": prompts["prompt_id"].to_list(),
         "prompt": prompts["prompt"].to_list(),

@@ -82,9 +82,10 @@ def list_runs(root: Path) -> list[RunSummary]:
     out = []
     for name in run_names(root):
         layout = RunLayout(root, name)
-        done = [i for i in layout.completed_iterations() if i > 0]
+        complete = layout.completed_iterations()
+        done = [i for i in complete if i > 0]
         last = iteration_metrics(layout).filter(pl.col("iteration") == max(done)).to_dicts()[0] if done else {}
-        unfinished = set(layout.iterations()) - set(layout.completed_iterations())
+        unfinished = set(layout.iterations()) - set(complete)
         if runs.lock_holder(layout) is not None:
             state = "running"
         elif states.get(name) == "FAILED":
@@ -104,17 +105,14 @@ def config_diff(root: Path, a: str, b: str) -> list[tuple[str, Any, Any]]:
     return [(k, ca.get(k), cb.get(k)) for k in sorted(set(ca) | set(cb)) if k not in ("run",) and ca.get(k) != cb.get(k)]
 
 
-def side_by_side(root: Path, a: str, b: str, metrics: tuple[str, ...] = HEADLINE) -> pl.DataFrame:
-    """Per iteration, each metric of run ``a`` next to run ``b``'s (columns ``<metric's last part>\\n<run>``)."""
-    frames = []
-    for run in (a, b):
-        df = iteration_metrics(RunLayout(root, run))
-        frames.append(df.select("iteration", *[pl.col(m).alias(f"{m} {run}") for m in metrics if m in df.columns]))
-    joined = frames[0].join(frames[1], on="iteration", how="full", coalesce=True).sort("iteration")
+def side_by_side(frames: dict[str, pl.DataFrame], metrics: tuple[str, ...] = HEADLINE) -> pl.DataFrame:
+    """Per iteration, each metric of the first run next to the second's (columns ``<metric's last part>\\n<run>``).
+
+    ``frames`` maps the two run names to their ``iteration_metrics``.
+    """
+    (a, fa), (b, fb) = frames.items()
+    picked = [df.select("iteration", *[pl.col(m).alias(f"{m} {run}") for m in metrics if m in df.columns])
+              for run, df in ((a, fa), (b, fb))]
+    joined = picked[0].join(picked[1], on="iteration", how="full", coalesce=True).sort("iteration")
     ordered = [f"{m} {r}" for m in metrics for r in (a, b) if f"{m} {r}" in joined.columns]
     return joined.select("iteration", *ordered).rename({c: c.split("/")[-1].replace(" ", "\n") for c in ordered})
-
-
-def metric_names(root: Path, run: str) -> list[str]:
-    """Every per-iteration metric run ``run`` has (for ``ppo compare --metric``)."""
-    return [c for c in iteration_metrics(RunLayout(root, run)).columns if c != "iteration"]

@@ -185,10 +185,19 @@ def lock_holder(layout: RunLayout) -> str | None:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            fh.seek(0)
-            return fh.read().strip() or "another process"
+            return _holder(fh)
         fcntl.flock(fh, fcntl.LOCK_UN)
     return None
+
+
+def _holder(lock_file) -> str:
+    """What the holder of a lock file wrote in it: who it is."""
+    lock_file.seek(0)
+    return lock_file.read().strip() or "another process"
+
+
+def _busy(cfg: PPOConfig, holder: str) -> RunBusyError:
+    return RunBusyError(f"run '{cfg.run}' is being trained by {holder}; wait for it to finish")
 
 
 def preflight(cfg: PPOConfig) -> None:
@@ -204,7 +213,7 @@ def preflight(cfg: PPOConfig) -> None:
     check_pinned(cfg)
     holder = lock_holder(cfg.layout)
     if holder is not None:
-        raise RunBusyError(f"run '{cfg.run}' is being trained by {holder}; wait for it to finish")
+        raise _busy(cfg, holder)
 
 
 @contextlib.contextmanager
@@ -221,10 +230,9 @@ def run_lock(cfg: PPOConfig, owner: str | None = None) -> Iterator[str]:
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        fh.seek(0)
-        holder = fh.read().strip() or "another process"
+        holder = _holder(fh)
         fh.close()
-        raise RunBusyError(f"run '{cfg.run}' is being trained by {holder}; wait for it to finish") from None
+        raise _busy(cfg, holder) from None
     fh.seek(0)
     previous = fh.read().strip()
     fh.seek(0)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 THREADS_ENV = "PPO_BLAS_THREADS"
+MALLOC_DEFAULTS_ENV = "PPO_MALLOC_DEFAULTS"  # "1": keep glibc's own malloc thresholds (to measure the difference)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def keep_freed_memory() -> bool:
     between phases, which is what a training process does anyway. Returns
     whether the thresholds were set.
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if os.environ.get(MALLOC_DEFAULTS_ENV) == "1" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
