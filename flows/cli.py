@@ -81,6 +81,9 @@ class _NoTraceback(logging.Filter):
 def train(
     run: str = typer.Option("default", help="run name; re-using a name resumes/extends that run"),
     iterations: int = typer.Option(3, min=1, max=1000, help="iterations to run after the last completed one"),
+    until: Optional[int] = typer.Option(
+        None, min=0, help="train up to this iteration instead (re-running the same command after a crash finishes the same work)"
+    ),
     config: Optional[Path] = typer.Option(None, help="TOML or JSON config file"),
     set_: list[str] = typer.Option([], "--set", help="config override key=value (repeatable; lists as a,b or JSON)"),
     workers: int = typer.Option(0, min=0, help="run rollout/attribute/value/evaluate as N shards on Ray workers (0: in this process)"),
@@ -112,13 +115,14 @@ def train(
         with contextlib.nullcontext() if debug else _NoTraceback():
             summary = ppo(
                 run=run, iterations=iterations, config=str(config) if config else None, overrides=overrides,
-                workers=workers, ray_address=ray_address, train_ranks=train_ranks,
+                workers=workers, ray_address=ray_address, train_ranks=train_ranks, until=until,
             )
     except Exception as exc:
         if debug:
             raise
         typer.secho(f"error: {_one_line(exc)}", fg="red", err=True)
-        typer.echo(f"finished phases are kept: `ppo train --run {run}` resumes; --debug shows the traceback", err=True)
+        again = f"ppo train --run {run} --until {until}" if until is not None else f"ppo train --run {run}"
+        typer.echo(f"finished phases are kept: `{again}` resumes; --debug shows the traceback", err=True)
         raise typer.Exit(1) from None
     typer.echo(json.dumps(summary, indent=2))
 
@@ -309,6 +313,31 @@ def report(
         typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(2)
     typer.echo(f"report: {path.resolve().as_uri()}")
+
+
+@app.command()
+def sync(
+    run: str = typer.Option("default", help="run name"),
+    root: Path = typer.Option(DEFAULT_ROOT, help="artifact root"),
+) -> None:
+    """Log to MLflow what a run's flow runs could not (its server was away, a process was killed), training nothing.
+
+    Every finished iteration MLflow lacks is logged from its manifest, the latest
+    finished policy is registered (unless it is already a version), the report uploaded.
+    """
+    from ppo_core import pipeline, registry
+    from ppo_core.registry import RegistryError
+    from ppo_core.runs import ArtifactIntegrityError, RunBusyError
+    from ppo_core.track import TrackingUnavailable
+
+    try:
+        cfg = registry.run_config(run, root)
+        if not cfg.layout.run_json.is_file():
+            _fail(f"no run '{run}' under {root}")
+        summary = pipeline.sync(cfg, log=typer.echo)
+    except (ConfigError, RegistryError, RunBusyError, ArtifactIntegrityError, TrackingUnavailable) as exc:
+        _fail(_one_line(exc), 1 if isinstance(exc, TrackingUnavailable) else 2)
+    typer.echo(json.dumps(summary, indent=2))
 
 
 @app.command()

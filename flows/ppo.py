@@ -35,8 +35,12 @@ def ppo(
     workers: int = 0,
     ray_address: str | None = None,
     train_ranks: int = 1,
+    until: int | None = None,
 ) -> dict[str, Any]:
-    """Run ``iterations`` more PPO iterations of run ``run``.
+    """Run ``iterations`` more PPO iterations of run ``run``, or up to iteration ``until``.
+
+    With ``until`` the same parameters after a crash finish the same work (the
+    finished phases are reused) instead of adding iterations.
 
     ``config`` is a TOML/JSON file; ``overrides`` maps config fields to values.
     ``workers`` > 0 runs the data-parallel phases as that many shards on Ray
@@ -46,6 +50,8 @@ def ppo(
     """
     if not 1 <= iterations <= MAX_ITERATIONS:
         raise ValueError(f"parameter 'iterations' must be between 1 and {MAX_ITERATIONS} (got {iterations})")
+    if until is not None and not 0 <= until <= MAX_ITERATIONS * 100:
+        raise ValueError(f"parameter 'until' must be between 0 and {MAX_ITERATIONS * 100} (got {until})")
     from_deployment = deployment.id is not None  # parameters chosen by whoever may start a run
     if from_deployment:
         check_config_file(config)
@@ -57,4 +63,5 @@ def ppo(
         return pipeline.run_tracked(
             cfg, iterations, runner, get_run_logger().info, owner=this_run,
             on_dead_owner=lambda previous: mark_crashed(previous, f"run '{run}' was resumed by {this_run}"),
+            until=until,
         )

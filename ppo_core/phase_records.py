@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ppo_core.config import PPOConfig
-from ppo_core.faults import failpoint
+from ppo_core.faults import failpoint, scope
+from ppo_core.layout import iter_label
 from ppo_core.tables import atomic_write_text, sha256_file
 
 Compute = Callable[[], tuple[dict[str, Path], dict[str, float]]]
@@ -99,6 +100,13 @@ def run_phase(
 
     ``earlier_seconds``: time the phase already spent elsewhere (its shards, before a merge), counted in its record.
     """
+    with scope(f"{iter_label(iteration)}/{phase}"):
+        return _run_phase(cfg, iteration, phase, version, inputs, compute, earlier_seconds)
+
+
+def _run_phase(
+    cfg: PPOConfig, iteration: int, phase: str, version: int, inputs: dict[str, Path], compute: Compute, earlier_seconds: float
+) -> PhaseResult:
     cached = lookup(cfg, iteration, phase, version, inputs)
     if cached is not None:
         return cached

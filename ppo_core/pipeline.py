@@ -8,6 +8,12 @@ passes one that runs each phase and each shard as a task (on Ray workers when
 the flow has a Ray task runner). ``run`` trains without MLflow; ``run_tracked``
 is what the flow does: the same iterations, each logged to the run's MLflow
 run, and the last policy registered.
+
+MLflow is a view of the artifact store, never the other way round: an
+iteration is logged from its manifest once it has finished, with a timestamp
+fixed by the iteration, so logging it twice (after a kill) changes nothing, and
+what a run could not log (killed, or its tracking server away) is logged by the
+next flow run or ``sync``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ppo_core import phases, registry, runs, track
-from ppo_core.config import PPOConfig
+from ppo_core.config import ConfigError, PPOConfig
+from ppo_core.faults import scope
+from ppo_core.layout import iter_label
 from ppo_core.phases import Shard
 from ppo_core.report import build_report
 
@@ -77,7 +85,8 @@ def start(cfg: PPOConfig, runner: Runner | None = None) -> list[dict[str, Any]]:
     results = [runner.call(phases.init_checkpoint, cfg)]
     if cfg.eval_size:
         results.append(_data_phase(runner, phases.evaluate, cfg, 0, cfg.layout.checkpoint(0)))
-    runs.write_manifest(cfg, 0, results)
+    with scope(f"{iter_label(0)}/manifest"):
+        runs.write_manifest(cfg, 0, results)
     return results
 
 
@@ -116,7 +125,8 @@ def run_iteration(cfg: PPOConfig, iteration: int, runner: Runner | None = None) 
     results = [r for r in (ro, sa, rw, va, ad, tr) if r is not None]
     if cfg.eval_size:
         results.append(_data_phase(runner, phases.evaluate, cfg, iteration, cfg.layout.checkpoint(iteration)))
-    runs.write_manifest(cfg, iteration, results)
+    with scope(f"{iter_label(iteration)}/manifest"):
+        runs.write_manifest(cfg, iteration, results)
     return results
 
 
@@ -147,6 +157,82 @@ def run(cfg: PPOConfig, iterations: int, runner: Runner | None = None) -> dict[i
         return {it: run_iteration(cfg, it, runner) for it in range(first, first + iterations)}
 
 
+def manifest_metrics(cfg: PPOConfig, iteration: int) -> dict[str, float]:
+    """``iteration_metrics`` of a finished iteration, read back from its manifest."""
+    manifest = runs.read_manifest(cfg, iteration)
+    return iteration_metrics([{"phase": phase, **entry} for phase, entry in manifest["phases"].items()])
+
+
+def log_finished_iterations(cfg: PPOConfig) -> list[int]:
+    """Log to MLflow every finished iteration (iteration 0's baseline included) that it does not hold yet."""
+    logged = track.last_logged_iteration(cfg)
+    pending = [i for i in cfg.layout.completed_iterations() if i > logged]
+    for i in pending:
+        manifest = runs.read_manifest(cfg, i)
+        track.log_iteration(cfg, i, manifest_metrics(cfg, i), runs.step_rows(cfg, i), runs.finished_at_ms(cfg, manifest, i))
+    return pending
+
+
+def publish(cfg: PPOConfig, iteration: int, report_path: Path):
+    """What a finished flow run tells MLflow: ``iteration``'s policy registered, the report, FINISHED.
+
+    Every step is idempotent; returns the ModelVersion.
+    """
+    with scope("registry"):
+        version = registry.register_policy(cfg, iteration)
+    with scope("finish"):
+        track.log_report(cfg, report_path)
+        track.set_status(cfg, "FINISHED")
+    return version
+
+
+def last_iteration(cfg: PPOConfig, first: int, iterations: int, until: int | None) -> int:
+    """The last iteration a flow run trains: ``iterations`` more from ``first``, or up to ``until``.
+
+    ``until`` makes the request idempotent: the same command after a crash
+    finishes the same work instead of adding iterations.
+    """
+    if until is None:
+        return first + iterations - 1
+    if until < first - 1:
+        raise ConfigError(
+            f"parameter 'until': run '{cfg.run}' has finished iteration {first - 1} already (got until={until}); "
+            "name a later iteration, or use 'iterations' to add more"
+        )
+    return until
+
+
+class Tracking:
+    """The MLflow side of one flow run: while the tracking server is away, training goes on.
+
+    A call made through it that finds the server unreachable is dropped with
+    one warning; every finished iteration stays in the artifact store, and
+    the next call that reaches the server logs what it missed.
+    """
+
+    def __init__(self, cfg: PPOConfig, log: Callable[[str], None]) -> None:
+        self.cfg, self.log = cfg, log
+        self.away: track.TrackingUnavailable | None = None
+
+    def __call__(self, fn: Callable[[], Any]) -> Any:
+        try:
+            track.check_reachable(self.cfg)
+            result = fn()
+        except Exception as exc:
+            away = track.unavailable(self.cfg, exc)
+            if away is None:
+                raise
+            if self.away is None:
+                self.log(f"WARNING: {away}; training goes on and every artifact is written: what MLflow misses "
+                         "is logged when the server is back")
+            self.away = away
+            return None
+        if self.away is not None:
+            self.log("the MLflow tracking server answers again: logged what it missed")
+            self.away = None
+        return result
+
+
 def run_tracked(
     cfg: PPOConfig,
     iterations: int,
@@ -154,13 +240,17 @@ def run_tracked(
     log: Callable[[str], None] = print,
     owner: str | None = None,
     on_dead_owner: Callable[[str], None] | None = None,
+    until: int | None = None,
 ) -> dict[str, Any]:
-    """Run the next ``iterations`` iterations of ``cfg.run`` with MLflow tracking.
+    """Run the next ``iterations`` iterations of ``cfg.run`` (or up to iteration ``until``) with MLflow tracking.
 
     Each finished iteration is logged at step = iteration; the MLflow run ends
     FINISHED, or FAILED with the reason as tag ``failure_reason``. On success
     the last iteration's policy adapter becomes a version of registered model
-    ``ppo-<run>`` and the run's HTML report is rebuilt and logged.
+    ``ppo-<run>`` and the run's HTML report is rebuilt and logged. When the
+    tracking server is unreachable the iterations still run; the flow run then
+    fails at the end with ``TrackingUnavailable``, naming what ``sync`` (or the
+    next flow run) will log.
 
     ``owner`` names this process's run in the run's lock (a Prefect flow run);
     ``on_dead_owner`` gets what a previous holder that died holding the lock
@@ -173,31 +263,39 @@ def run_tracked(
         for stale in runs.remove_stale_temp_files(cfg):
             log(f"removed {stale}, a temporary file left by a killed process")
         runs.pin_config(cfg)
-        track.ensure_run(cfg)
-        track.set_status(cfg, "RUNNING")
+        first = runs.next_iteration(cfg)
+        last = last_iteration(cfg, first, iterations, until)
+        tracking = Tracking(cfg, log)
+        with scope("start"):
+            tracking(lambda: track.set_status(cfg, "RUNNING"))
         try:
-            baseline = start(cfg, runner)
-            track.log_iteration(cfg, 0, iteration_metrics(baseline), [])
-            first = runs.next_iteration(cfg)
+            start(cfg, runner)
+            tracking(lambda: log_finished_iterations(cfg))  # and what a killed flow run did not log
             done: dict[int, dict[str, float]] = {}
-            for iteration in range(first, first + iterations):
-                metrics = iteration_metrics(run_iteration(cfg, iteration, runner))
-                track.log_iteration(cfg, iteration, metrics, runs.step_rows(cfg, iteration))
-                done[iteration] = metrics
+            for iteration in range(first, last + 1):
+                run_iteration(cfg, iteration, runner)
+                tracking(lambda: log_finished_iterations(cfg))
+                done[iteration] = metrics = manifest_metrics(cfg, iteration)
                 log(
                     f"iteration {iteration}: score {metrics.get('reward/score', float('nan')):.3f}  "
                     f"kl {metrics.get('reward/kl', float('nan')):.3f}  "
                     f"eval {metrics.get('evaluate/eval_score', float('nan')):.3f}"
                 )
-            version = registry.register_policy(cfg, first + iterations - 1)
-            log(f"registered policy of iteration {first + iterations - 1} as {version.name} version {version.version}")
-            report_path = build_report(cfg.artifact_root, cfg.run)
-            track.log_report(cfg, report_path)
+            with scope("report"):
+                report_path = build_report(cfg.artifact_root, cfg.run)
             log(f"report: {report_path}")
+            version = tracking(lambda: publish(cfg, last, report_path))
+            if tracking.away is not None:
+                raise track.TrackingUnavailable(
+                    f"iterations up to {last} of run '{cfg.run}' finished and every artifact is written under "
+                    f"{cfg.layout.run_dir}, but {tracking.away}: their metrics and the registration of iteration "
+                    f"{last}'s policy are not in MLflow yet. When the server is back, `ppo sync --run {cfg.run}` "
+                    "logs them (so does the run's next flow run)"
+                )
+            log(f"registered policy of iteration {last} as {version.name} version {version.version}")
         except BaseException as exc:
-            track.set_status(cfg, "FAILED", f"{type(exc).__name__}: {exc}")
+            tracking(lambda: track.set_status(cfg, "FAILED", f"{type(exc).__name__}: {exc}"))
             raise
-        track.set_status(cfg, "FINISHED")
     return {
         "run": cfg.run,
         "iterations": done,
@@ -205,3 +303,23 @@ def run_tracked(
         "registered_model": {"name": version.name, "version": int(version.version)},
         "report": str(report_path),
     }
+
+
+def sync(cfg: PPOConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Bring MLflow up to date with the artifact store, training nothing.
+
+    Logs every finished iteration MLflow lacks, registers the latest finished
+    iteration's policy (unless it is already a version) and uploads the
+    report: what a flow run whose tracking server went away could not do.
+    """
+    with runs.run_lock(cfg):
+        done = cfg.layout.completed_iterations()
+        if not [i for i in done if i > 0]:
+            raise ConfigError(f"run '{cfg.run}' has no finished iteration under {cfg.artifact_root} to log")
+        track.check_reachable(cfg)
+        logged = log_finished_iterations(cfg)
+        log(f"logged iterations {', '.join(map(str, logged))}" if logged else "every finished iteration was logged already")
+        report_path = build_report(cfg.artifact_root, cfg.run)
+        version = publish(cfg, done[-1], report_path)
+        log(f"iteration {done[-1]}'s policy is {version.name} version {version.version}")
+    return {"run": cfg.run, "logged_iterations": logged, "registered_model": {"name": version.name, "version": int(version.version)}}

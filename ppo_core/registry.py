@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 from ppo_core import runs, track
 from ppo_core.config import PPOConfig, load_config
+from ppo_core.faults import failpoint
 from ppo_core.layout import Checkpoint, RunLayout
 from ppo_core.models import POLICY, ModelCache, PolicyValueModel, load_policy_value_model, resolve_model_dir
 from ppo_core.reward_model import lora_layout
@@ -71,7 +72,11 @@ def register_policy(cfg: PPOConfig, iteration: int):
     _ensure_registered_model(mlf, cfg, name)
     existing = [v for v in _all_versions(mlf, name) if v.run_id == run_id and v.tags.get("iteration") == str(iteration)]
     if existing:
-        return min(existing, key=lambda v: int(v.version))
+        version = min(existing, key=lambda v: int(v.version))
+        if version.description:
+            return version
+        # a process killed between creating the version and describing it: finish the job
+        return mlf.update_model_version(name, version.version, description=_how_to_load(cfg, name, version.version, version.tags))
     artifact_dir = _ensure_policy_logged(mlf, cfg, run_id, iteration)
     tags = {
         track.RUN_TAG: cfg.run,
@@ -93,6 +98,7 @@ def register_policy(cfg: PPOConfig, iteration: int):
     if eval_score is not None:
         tags["eval_score"] = repr(eval_score)
     version = mlf.create_model_version(name, f"runs:/{run_id}/{artifact_dir}", run_id=run_id, tags=tags)
+    failpoint("registry.version_created")
     # the description names its own version number, known only once created
     return mlf.update_model_version(name, version.version, description=_how_to_load(cfg, name, version.version, tags))
 

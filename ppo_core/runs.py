@@ -8,12 +8,14 @@ import hashlib
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import polars as pl
 
 from ppo_core.config import ConfigError, PPOConfig
+from ppo_core.faults import failpoint
 from ppo_core.layout import RunLayout
 from ppo_core.prompts import load_prompts
 from ppo_core.tables import atomic_write_text, sha256_file
@@ -283,6 +285,8 @@ def write_manifest(cfg: PPOConfig, iteration: int, phase_results: list[dict[str,
         "code_version": code_version(),
         "artifacts": artifacts,
         "phases": {r["phase"]: {"cached": r["cached"], "seconds": r["seconds"], "stats": r["stats"]} for r in phase_results},
+        # when the iteration finished: the timestamp of its MLflow metrics, however often they are logged
+        "finished_at_ms": int(time.time() * 1000),
     }
     path = cfg.layout.manifest(iteration)
     if path.is_file():
@@ -290,7 +294,18 @@ def write_manifest(cfg: PPOConfig, iteration: int, phase_results: list[dict[str,
         if old.get("artifacts") == artifacts and old.get("config_hash") == manifest["config_hash"]:
             return path  # a resumed iteration keeps the manifest that first described these bytes
     atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True))
+    failpoint("manifest.done")
     return path
+
+
+def read_manifest(cfg: PPOConfig, iteration: int) -> dict[str, Any]:
+    return read_json(cfg.layout.manifest(iteration), f"the manifest of iteration {iteration}")
+
+
+def finished_at_ms(cfg: PPOConfig, manifest: dict[str, Any], iteration: int) -> int:
+    """When ``iteration`` finished (a manifest written before the field existed: its file's time)."""
+    recorded = manifest.get("finished_at_ms")
+    return int(recorded) if recorded is not None else int(cfg.layout.manifest(iteration).stat().st_mtime * 1000)
 
 
 def step_rows(cfg: PPOConfig, iteration: int) -> list[dict[str, Any]]:

@@ -129,7 +129,7 @@ def atomic_path(final: Path) -> Iterator[Path]:
         try:
             os.chmod(tmp, _new_file_mode())
             yield tmp
-            failpoint("table.write")  # the temporary file is complete, the final name not yet taken
+            failpoint("table.write", final.name)  # the temporary file is complete, the final name not yet taken
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
             os.replace(tmp, final)

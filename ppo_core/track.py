@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_core.config import PPOConfig
+from ppo_core.faults import failpoint, scope
 from ppo_core.layout import iter_label, mlflow_db, mlruns_dir
 
 EXPERIMENT = "ppo"
@@ -37,6 +38,51 @@ def shareable_uri(uri: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
+class TrackingUnavailable(RuntimeError):
+    """The MLflow tracking server does not answer; the artifact store keeps everything it would have been told."""
+
+
+# MLflow's REST client retries a refused connection 7 times with a doubling back-off (minutes per call);
+# a run that keeps training while its server is away asks once or twice, then catches up later
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
+def check_reachable(cfg: PPOConfig, timeout: float = 5.0) -> None:
+    """Raise ``TrackingUnavailable`` when the tracking URI is a server that does not answer ``/health``."""
+    import urllib.error
+    import urllib.request
+
+    uri = tracking_uri(cfg)
+    if not uri.startswith(("http://", "https://")):
+        return  # a local store (SQLite file, folder) is as available as the artifact root
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout):
+            return
+    except urllib.error.HTTPError as exc:
+        if exc.code < 500:  # it answers (a proxy may not know /health): available
+            return
+        reason = f"HTTP {exc.code}"
+    except OSError as exc:
+        reason = str(getattr(exc, "reason", None) or exc)
+    raise TrackingUnavailable(f"the MLflow tracking server {shareable_uri(uri)} is unreachable ({reason})")
+
+
+def unavailable(cfg: PPOConfig, exc: BaseException) -> TrackingUnavailable | None:
+    """``exc`` as ``TrackingUnavailable`` when it came from a tracking server that is away, else None."""
+    if isinstance(exc, TrackingUnavailable):
+        return exc
+    from mlflow.exceptions import MlflowException
+
+    if not isinstance(exc, (MlflowException, OSError)):
+        return None
+    try:
+        check_reachable(cfg)
+    except TrackingUnavailable as away:
+        return away
+    return None  # the server answers: the error is about the request, not the connection
+
+
 def registry_uri(cfg: PPOConfig) -> str:
     """MLFLOW_REGISTRY_URI if set, else the tracking store (SQL stores hold the registry too)."""
     return os.environ.get("MLFLOW_REGISTRY_URI") or tracking_uri(cfg)
@@ -50,6 +96,8 @@ def client(cfg: PPOConfig):
     process (a worker serving several artifact roots, or a test session).
     """
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    for key, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     from mlflow import MlflowClient
 
     cfg.artifact_root.mkdir(parents=True, exist_ok=True)
@@ -75,44 +123,63 @@ def ensure_run(cfg: PPOConfig) -> str:
     mlf = client(cfg)
     exp_id = _experiment_id(cfg, mlf)
     found = mlf.search_runs([exp_id], filter_string=f"tags.`{RUN_TAG}` = '{cfg.run}'", max_results=1)
-    if found:
+    if found and found[0].data.params:
         return found[0].info.run_id
-    run = mlf.create_run(exp_id, run_name=cfg.run, tags={RUN_TAG: cfg.run})
-    mlf.log_batch(run.info.run_id, params=[Param(k, v) for k, v in _flat_params(cfg).items()])
-    return run.info.run_id
+    # a process killed between creating the run and logging its params left it without them: log them now
+    run_id = found[0].info.run_id if found else mlf.create_run(exp_id, run_name=cfg.run, tags={RUN_TAG: cfg.run}).info.run_id
+    failpoint("mlflow.run_created")
+    mlf.log_batch(run_id, params=[Param(k, v) for k, v in _flat_params(cfg).items()])
+    return run_id
 
 
-def log_iteration(cfg: PPOConfig, iteration: int, metrics: dict[str, float], step_rows: list[dict[str, Any]]) -> None:
-    """Per-iteration metrics at step=iteration; per-optimiser-step metrics at a global step."""
+def last_logged_iteration(cfg: PPOConfig) -> int:
+    """The last iteration whose metrics the MLflow run holds (-1: none yet)."""
+    logged = client(cfg).get_run(ensure_run(cfg)).data.tags.get("last_iteration")
+    return int(logged) if logged is not None else -1
+
+
+def log_iteration(
+    cfg: PPOConfig, iteration: int, metrics: dict[str, float], step_rows: list[dict[str, Any]], timestamp_ms: int
+) -> None:
+    """Per-iteration metrics at step=iteration; per-optimiser-step metrics at a global step.
+
+    ``timestamp_ms`` is fixed by the iteration (when it finished), never the time of logging: MLflow's SQL
+    store drops a metric equal in key, value, step and timestamp to one it holds, so a process killed in
+    the middle of logging an iteration and the one that logs it again leave one copy of every point.
+    """
     from mlflow.entities import Metric
 
     layout = cfg.layout
-
     mlf = client(cfg)
     run_id = ensure_run(cfg)
     logged = mlf.get_run(run_id).data.tags.get("last_iteration")
     if logged is not None and int(logged) >= iteration:
         return  # a resumed run re-finalising an iteration must not duplicate its steps
-    now = int(time.time() * 1000)
-    batch = [Metric(k, float(v), now, iteration) for k, v in metrics.items()]
-    for row in step_rows:
-        gstep = int(row["global_step"])
-        # an adapter an iteration did not train (value warm-up, critic-free estimators) has no step metrics
-        keys = ("policy_loss", "value_loss", "approx_kl", "clip_fraction")
-        batch += [Metric(f"step/{k}", float(row[k]), now, gstep) for k in keys if row.get(k) is not None]
-    for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 entities
-        mlf.log_batch(run_id, metrics=batch[i : i + 900])
-    mlf.set_tag(run_id, f"iter.{iteration:04d}.parquet", str(layout.iter_dir(iteration).resolve()))
-    mlf.set_tag(run_id, "last_iteration", str(iteration))
-    for path in layout.checkpoint(iteration).adapter_files():
-        mlf.log_artifact(run_id, str(path), artifact_path=adapter_artifact_dir(iteration))
-    _log_table_inputs(cfg, mlf, run_id, iteration)
-    eval_table = layout.table(iteration, "eval")
-    if eval_table.is_file():
-        import pyarrow.parquet as pq
+    with scope(f"{iter_label(iteration)}/mlflow"):
+        batch = [Metric(k, float(v), timestamp_ms, iteration) for k, v in metrics.items()]
+        for row in step_rows:
+            gstep = int(row["global_step"])
+            # an adapter an iteration did not train (value warm-up, critic-free estimators) has no step metrics
+            keys = ("policy_loss", "value_loss", "approx_kl", "clip_fraction")
+            batch += [Metric(f"step/{k}", float(row[k]), timestamp_ms, gstep) for k in keys if row.get(k) is not None]
+        for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 entities
+            mlf.log_batch(run_id, metrics=batch[i : i + 900])
+            failpoint("mlflow.metrics")
+        mlf.set_tag(run_id, f"iter.{iteration:04d}.parquet", str(layout.iter_dir(iteration).resolve()))
+        for path in layout.checkpoint(iteration).adapter_files():
+            mlf.log_artifact(run_id, str(path), artifact_path=adapter_artifact_dir(iteration))
+            failpoint("mlflow.artifact", path.name)
+        _log_table_inputs(cfg, mlf, run_id, iteration)
+        failpoint("mlflow.inputs")
+        eval_table = layout.table(iteration, "eval")
+        if eval_table.is_file():
+            import pyarrow.parquet as pq
 
-        samples = pq.read_table(eval_table, columns=["prompt_id", "prompt", "response", "score"])
-        mlf.log_table(run_id, data=samples.to_pandas(), artifact_file=f"samples/{iter_label(iteration)}.json")
+            samples = pq.read_table(eval_table, columns=["prompt_id", "prompt", "response", "score"])
+            mlf.log_table(run_id, data=samples.to_pandas(), artifact_file=f"samples/{iter_label(iteration)}.json")
+            failpoint("mlflow.samples")
+        # last: an iteration counts as logged only once everything above is
+        mlf.set_tag(run_id, "last_iteration", str(iteration))
 
 
 # What the chart view of the PPO experiment shows first: the curves a PPO user reads before any other
@@ -136,6 +203,7 @@ def first_screen(mlf, experiment_id: str) -> str:
 def log_report(cfg: PPOConfig, path: Path) -> None:
     """The run's HTML report as artifact ``report.html`` (replaced by each flow run); MLflow's viewer shows it."""
     client(cfg).log_artifact(ensure_run(cfg), str(path))
+    failpoint("mlflow.report")
 
 
 def adapter_artifact_dir(iteration: int) -> str:
@@ -177,6 +245,7 @@ def set_status(cfg: PPOConfig, status: str, reason: str | None = None) -> None:
         mlf.update_run(run_id, status="RUNNING")
     else:
         mlf.set_terminated(run_id, status=status)
+    failpoint("mlflow.status", status)
 
 
 def run_metrics(cfg: PPOConfig) -> dict[str, list[tuple[int, float]]]:

@@ -33,7 +33,7 @@ from tasks.phases import PrefectRunner
 
 WORKER_ENV = {"PPO_BLAS_THREADS": "1"}
 # fault points and rank deadlines of the driver's environment reach the workers too
-PASSED_TO_WORKERS = ("PPO_KILL_AT", "PPO_KILL_RANK", "PPO_PAUSE_AT", "PPO_PAUSE_FILE", "PPO_RANK_TIMEOUT")
+PASSED_TO_WORKERS = ("PPO_KILL_AT", "PPO_KILL_RANK", "PPO_PAUSE_AT", "PPO_PAUSE_FILE", "PPO_RANK_TIMEOUT", "PPO_FAULT_TRACE")
 SHARD_RETRIES = 3  # Ray re-runs a shard whose worker died (not one that raised)
 
 
