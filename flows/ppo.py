@@ -20,7 +20,7 @@ from ppo_core import pipeline
 from ppo_core.allowed_paths import check_allowed_paths, check_config_file
 from ppo_core.config import load_config
 from tasks.cluster import execution
-from tasks.flow_runs import mark_crashed
+from tasks.flow_runs import settle_previous
 
 
 MAX_ITERATIONS = 1000  # per flow run: a run continues where the last flow run stopped
@@ -62,6 +62,6 @@ def ppo(
     with execution(workers, ray_address, train_ranks, cfg) as runner:
         return pipeline.run_tracked(
             cfg, iterations, runner, get_run_logger().info, owner=this_run,
-            on_dead_owner=lambda previous: mark_crashed(previous, f"run '{run}' was resumed by {this_run}"),
+            on_previous_owner=lambda previous: settle_previous(previous, f"recorded by {this_run} of run '{run}'"),
             until=until,
         )

@@ -15,7 +15,8 @@ reaches the same labels for the work it still has to do.
   reached in the process, whatever its scope; with ``PPO_KILL_RANK=<r>`` only
   data-parallel rank r (``MLX_RANK``) does. ``PPO_KILL_GROUP=1`` kills the
   process's whole process group instead (what a machine or container dying does).
-- ``PPO_PAUSE_AT=<point or label>`` with ``PPO_PAUSE_FILE=<path>``: the first
+- ``PPO_PAUSE_AT=<point or label>[,…]`` with ``PPO_PAUSE_FILE=<path>`` (the
+  second listed point uses ``<path>.1``, and so on): the first
   process to reach it writes its pid to the file and waits there until it is
   killed or the file's text is replaced by ``release``; every later process
   finds the file and goes on.
@@ -59,8 +60,11 @@ def failpoint(name: str, detail: str = "") -> None:
     if trace := os.environ.get(TRACE_ENV):
         with open(trace, "a") as fh:  # line-sized appends: a kill right after leaves the line whole
             fh.write(label + "\n")
-    if os.environ.get("PPO_PAUSE_AT") in (name, label):
-        _pause_once(os.environ["PPO_PAUSE_FILE"])
+    if pause := os.environ.get("PPO_PAUSE_AT"):
+        points = pause.split(",")
+        for i, point in enumerate(points):
+            if point in (name, label):  # the i-th listed point pauses on its own file: PPO_PAUSE_FILE, then .1, .2, …
+                _pause_once(os.environ["PPO_PAUSE_FILE"] + (f".{i}" if i else ""))
     spec = os.environ.get(ENV)
     if not spec:
         return

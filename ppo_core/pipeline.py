@@ -239,7 +239,7 @@ def run_tracked(
     runner: Runner | None = None,
     log: Callable[[str], None] = print,
     owner: str | None = None,
-    on_dead_owner: Callable[[str], None] | None = None,
+    on_previous_owner: Callable[[str], None] | None = None,
     until: int | None = None,
 ) -> dict[str, Any]:
     """Run the next ``iterations`` iterations of ``cfg.run`` (or up to iteration ``until``) with MLflow tracking.
@@ -253,13 +253,14 @@ def run_tracked(
     next flow run) will log.
 
     ``owner`` names this process's run in the run's lock (a Prefect flow run);
-    ``on_dead_owner`` gets what a previous holder that died holding the lock
-    left there, so its orchestrator can record the crash.
+    ``on_previous_owner`` gets what the previous holder left there (its name,
+    and how it ended unless it died holding the lock), so its orchestrator can
+    record a crash, or a final state that never reached it.
     """
     runs.check_inputs(cfg)
     with runs.run_lock(cfg, owner) as previous:
-        if previous and on_dead_owner is not None:
-            on_dead_owner(previous)
+        if previous and on_previous_owner is not None:
+            on_previous_owner(previous)
         for stale in runs.remove_stale_temp_files(cfg):
             log(f"removed {stale}, a temporary file left by a killed process")
         runs.pin_config(cfg)
@@ -270,11 +271,14 @@ def run_tracked(
             tracking(lambda: track.set_status(cfg, "RUNNING"))
         try:
             start(cfg, runner)
-            tracking(lambda: log_finished_iterations(cfg))  # and what a killed flow run did not log
+            # and what an earlier flow run could not log (killed, or its server away)
+            tracking(lambda: log_finished_iterations(cfg))
+            unlogged: list[int] = []  # iterations of this flow run that MLflow may lack
             done: dict[int, dict[str, float]] = {}
             for iteration in range(first, last + 1):
                 run_iteration(cfg, iteration, runner)
-                tracking(lambda: log_finished_iterations(cfg))
+                logged = tracking(lambda: log_finished_iterations(cfg)) is not None
+                unlogged = [] if logged else [*unlogged, iteration]
                 done[iteration] = metrics = manifest_metrics(cfg, iteration)
                 log(
                     f"iteration {iteration}: score {metrics.get('reward/score', float('nan')):.3f}  "
@@ -286,11 +290,12 @@ def run_tracked(
             log(f"report: {report_path}")
             version = tracking(lambda: publish(cfg, last, report_path))
             if tracking.away is not None:
+                missing = f"the metrics of iteration(s) {', '.join(map(str, unlogged))} and " if unlogged else ""
                 raise track.TrackingUnavailable(
                     f"iterations up to {last} of run '{cfg.run}' finished and every artifact is written under "
-                    f"{cfg.layout.run_dir}, but {tracking.away}: their metrics and the registration of iteration "
-                    f"{last}'s policy are not in MLflow yet. When the server is back, `ppo sync --run {cfg.run}` "
-                    "logs them (so does the run's next flow run)"
+                    f"{cfg.layout.run_dir}, but {tracking.away}: {missing}the registration of iteration {last}'s "
+                    f"policy {'are' if missing else 'is'} not in MLflow yet. When the server is back, "
+                    f"`ppo sync --run {cfg.run}` logs them (so does the run's next flow run)"
                 )
             log(f"registered policy of iteration {last} as {version.name} version {version.version}")
         except BaseException as exc:

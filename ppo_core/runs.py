@@ -218,13 +218,20 @@ def preflight(cfg: PPOConfig) -> None:
         raise _busy(cfg, holder)
 
 
+RELEASED = "released"  # how the line a holder leaves on exit starts: "released (completed): pid N on host H, …"
+
+
 @contextlib.contextmanager
 def run_lock(cfg: PPOConfig, owner: str | None = None) -> Iterator[str]:
     """Exclusive lock on a run: two processes never interleave one run's iterations.
 
     The lock file names its holder (and ``owner``, e.g. a Prefect flow run)
-    while held, and is emptied on a clean exit; the block receives what the
-    previous holder left: empty, or the name of a holder that died holding it.
+    while held; on exit the holder leaves ``released (completed): <holder>``
+    or ``released (failed: <why>): <holder>``. The block receives what the
+    previous holder left: empty, such a released line, or the bare name of a
+    holder that died holding the lock. Either way the next holder can tell an
+    orchestrator that never heard how the previous one ended (killed, or its
+    server away when it finished).
     """
     path = cfg.layout.lock
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -237,18 +244,26 @@ def run_lock(cfg: PPOConfig, owner: str | None = None) -> Iterator[str]:
         raise _busy(cfg, holder) from None
     fh.seek(0)
     previous = fh.read().strip()
-    fh.seek(0)
-    fh.truncate()
     # on a shared filesystem the holder may be on another machine: name it
-    fh.write(f"pid {os.getpid()} on host {socket.gethostname()}" + (f", {owner}" if owner else ""))
-    fh.flush()
+    me = f"pid {os.getpid()} on host {socket.gethostname()}" + (f", {owner}" if owner else "")
+    _rewrite(fh, me)
+    outcome = "completed"
     try:
         yield previous
+    except BaseException as exc:
+        outcome = "failed: " + " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        raise
     finally:
-        fh.seek(0)
-        fh.truncate()
+        _rewrite(fh, f"{RELEASED} ({outcome}): {me}")
         fcntl.flock(fh, fcntl.LOCK_UN)
         fh.close()
+
+
+def _rewrite(lock_file, text: str) -> None:
+    lock_file.seek(0)
+    lock_file.truncate()
+    lock_file.write(text)
+    lock_file.flush()
 
 
 TEMP_FILE_GLOB = ".*.tmp*"  # tables.atomic_path's temporary names: .<stem>.<random>.tmp<suffix>

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -42,3 +46,48 @@ def processes_mentioning(text: str, where: str = "cmdline") -> list[tuple[int, s
         if text in content:
             found.append((int(path.parent.name), content))
     return found
+
+
+BIN = Path(sys.executable).parent
+
+
+def start_prefect_server(home: Path, port: int) -> subprocess.Popen:
+    """`prefect server start` with its own PREFECT_HOME (SQLite database), in its own process group."""
+    env = {**os.environ, "PREFECT_HOME": str(home)}
+    proc = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-services"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    wait_healthy(f"http://127.0.0.1:{port}/api", proc)
+    return proc
+
+
+def start_mlflow_server(store: Path, port: int) -> subprocess.Popen:
+    """A real `mlflow server` on a SQLite store, one web worker, no job runners, in its own process group."""
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store}", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    wait_healthy(f"http://127.0.0.1:{port}", proc)
+    return proc
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """Stop a server started here with its whole process group (SIGKILL if it does not go within 30 s)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # uvicorn's workers are in the group too; wait until none is left holding the port
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)

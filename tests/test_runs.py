@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 import pytest
 
 from ppo_core.config import ConfigError
@@ -27,14 +30,19 @@ def test_pinned_config_lists_the_changed_fields(tiny_cfg):
         pin_config(tiny_cfg(run="p", gamma=0.9, lam=0.9))
 
 
-def test_the_lock_names_its_holder_while_held_and_hands_a_dead_holders_name_to_the_next(tiny_cfg):
+def test_the_lock_names_its_holder_while_held_and_hands_how_it_ended_to_the_next(tiny_cfg):
     cfg = tiny_cfg(run="heir")
+    me = f"pid {os.getpid()} on host {socket.gethostname()}"
     with run_lock(cfg, owner="flow run 1") as previous:
-        assert previous == "" and cfg.layout.lock.read_text().endswith(", flow run 1")
-    assert cfg.layout.lock.read_text() == ""  # a clean exit leaves no name behind
-    cfg.layout.lock.write_text("pid 4242 on host gone, flow run 2")  # what a killed holder leaves
+        assert previous == "" and cfg.layout.lock.read_text() == f"{me}, flow run 1"
+    assert cfg.layout.lock.read_text() == f"released (completed): {me}, flow run 1"
+    with pytest.raises(ValueError), run_lock(cfg, owner="flow run 2") as previous:
+        assert previous == f"released (completed): {me}, flow run 1"
+        raise ValueError("bad\nthing")
+    assert cfg.layout.lock.read_text() == f"released (failed: ValueError: bad thing): {me}, flow run 2"
+    cfg.layout.lock.write_text("pid 4242 on host gone, flow run 3")  # what a killed holder leaves
     with run_lock(cfg) as previous:
-        assert previous == "pid 4242 on host gone, flow run 2"
+        assert previous == "pid 4242 on host gone, flow run 3"
 
 
 def test_temporary_files_of_a_killed_process_are_removed_when_the_run_resumes(tiny_cfg):
