@@ -16,6 +16,7 @@ then needs it; the worker is handed it as ``PREFECT_API_AUTH_STRING``).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -27,7 +28,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ppo_core.config import PROJECT_ROOT
 from tasks.prefect_env import apply_defaults
@@ -88,6 +91,10 @@ def server_env(host: str, port: int, env: dict[str, str]) -> dict[str, str]:
         "PREFECT_SERVER_API_PORT": str(port),
         # what the UI in a browser calls; on a shared host set it to the name people reach it by
         "PREFECT_UI_API_URL": env.get("PREFECT_UI_API_URL") or f"http://{reachable_host(host)}:{port}/api",
+        # deployment concurrency leases in files under PREFECT_HOME, not in the server's memory: a restarted
+        # server knows the leases of the flow runs still running, which go on renewing them
+        "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": env.get("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE")
+        or "prefect.server.concurrency.lease_storage.filesystem",
     }
 
 
@@ -216,10 +223,101 @@ def _start_ray_head(workers: int, env: dict[str, str], procs: list[subprocess.Po
         time.sleep(0.5)
 
 
+def _reap(env: dict[str, str], log) -> None:
+    try:
+        reap_orphaned_flow_runs(env, log)
+    except Exception as exc:  # a server restarting right now: the next look will do
+        log(f"could not look for flow runs left by a dead worker: {exc}")
+
+
+@dataclass
+class Supervised:
+    """A child `ppo serve` keeps running: started by ``start``, restarted when it dies (within a budget)."""
+
+    name: str
+    start: Callable[[], subprocess.Popen]
+    restartable: bool = True
+    proc: subprocess.Popen | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def run(self) -> subprocess.Popen:
+        self.proc = self.start()
+        return self.proc
+
+    def may_restart(self, now: float) -> bool:
+        """Crash-loop guard: at most RESTARTS restarts within RESTART_WINDOW seconds."""
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW] + [now]
+        return self.restartable and len(self.restarts) <= RESTARTS
+
+
+RESTARTS, RESTART_WINDOW = 5, 600.0
+REAP_EVERY = 60.0  # seconds between looks for flow runs whose process died with a worker
+
+
+def _runs_flow(pid: int, flow_run_id: str) -> bool:
+    """Whether process ``pid`` on this machine is (still) the one running flow run ``flow_run_id``."""
+    environ = Path(f"/proc/{pid}/environ")
+    if not Path("/proc/self/environ").exists():  # no /proc (macOS): existence is all there is to know
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    try:
+        return flow_run_id.encode() in environ.read_bytes()  # a reused pid runs something else
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # not ours to read: assume alive
+
+
+def reap_orphaned_flow_runs(env: dict[str, str], log=print) -> list[str]:
+    """Mark CRASHED the pool's flow runs whose process on this machine is gone; returns their names.
+
+    A process worker reports a flow run whose process dies. When the worker
+    dies with it (a container or machine kill), nobody does: the flow run stays
+    RUNNING and holds the deployment's one concurrency slot until its lease
+    expires (minutes), so the next deployment run waits. Marking it CRASHED
+    frees the slot at once; the next flow run of the PPO run resumes it.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, WorkPoolFilter, WorkPoolFilterName,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+    from prefect.states import Crashed
+
+    reaped = []
+    settings = {PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_API_AUTH_STRING: env.get("PREFECT_API_AUTH_STRING")}
+    with temporary_settings(updates=settings), get_client(sync_client=True) as client:
+        unfinished = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))),
+            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[POOL])),
+        )
+        for run in unfinished:
+            pid = (run.infrastructure_pid or "").rsplit(":", 1)[-1]
+            if not pid.isdigit() or _runs_flow(int(pid), str(run.id)):
+                continue
+            message = f"its process (pid {pid}) is gone: the worker that started it died with it; marked by ppo serve"
+            client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+            log(f"marked flow run {run.name} CRASHED: {message}")
+            reaped.append(run.name)
+    return reaped
+
+
 def serve(
     host: str = "127.0.0.1", port: int = 4200, ray_workers: int = 0, startup_timeout: float = 180.0, log=print
 ) -> int:
-    """Start server, pool, deployment, worker (and a Ray head); block until interrupted; stop them all."""
+    """Start server, pool, deployment, worker (and a Ray head); block until interrupted; stop them all.
+
+    A server or worker that dies is started again (same port, same database
+    under PREFECT_HOME), at most ``RESTARTS`` times in ``RESTART_WINDOW``
+    seconds; a flow run whose process died with its worker is marked CRASHED
+    by the next flow run of its PPO run, which resumes from the finished phases.
+    """
     client_host = reachable_host(host)
     api_url = f"http://{client_host}:{port}/api"
     env = apply_defaults({**os.environ, "PREFECT_API_URL": api_url})
@@ -230,23 +328,27 @@ def serve(
         return 2
     if env.get(AUTH_ENV):
         env["PREFECT_API_AUTH_STRING"] = env[AUTH_ENV]  # the worker and the CLI calls below authenticate
-    procs: list[subprocess.Popen] = []
+    children: list[Supervised] = []
     stop = {"now": False}
 
     def on_signal(signum, frame):  # noqa: ARG001
         stop["now"] = True
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        log(f"starting Prefect server on {api_url} ...")
+    def start_server() -> subprocess.Popen:
         # own process groups: a terminal's Ctrl-C reaches only us, and we stop the children in order
         server = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "flows.prefect_app:create_app", "--host", host,
              "--port", str(port), "--log-level", "warning"],
             env=server_env(host, port, env), cwd=PROJECT_ROOT, start_new_session=True,
         )  # fmt: skip
-        procs.append(server)
         _wait_healthy(api_url, server, startup_timeout)
+        return server
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        log(f"starting Prefect server on {api_url} ...")
+        children.append(Supervised("Prefect server", start_server))
+        children[-1].run()
         pools = subprocess.run([_bin("prefect"), "work-pool", "ls"], env=env, capture_output=True, text=True, check=True)
         verb = ["update", POOL] if POOL in pools.stdout else ["create", POOL, "--type", "process"]
         with tempfile.TemporaryDirectory() as tmp:
@@ -257,24 +359,47 @@ def serve(
         worker_env = env
         if ray_workers:
             log(f"starting a local Ray head with {ray_workers} worker processes ...")
-            worker_env = {**env, **_start_ray_head(ray_workers, env, procs, startup_timeout)}
-        worker = subprocess.Popen(
+            ray_procs: list[subprocess.Popen] = []
+            worker_env = {**env, **_start_ray_head(ray_workers, env, ray_procs, startup_timeout)}
+            # a new head would have a new address and token, unknown to running flow runs: not restarted
+            children.append(Supervised("Ray head", lambda: ray_procs[0], restartable=False))
+            children[-1].run()
+        children.append(Supervised("Prefect worker", lambda: subprocess.Popen(
             [_bin("prefect"), "worker", "start", "--pool", POOL], env=worker_env, cwd=PROJECT_ROOT, start_new_session=True
-        )
-        procs.append(worker)
+        )))  # fmt: skip
+        children[-1].run()
         log(f"ready: deployment 'ppo/iterate' on pool '{POOL}'. UI: http://{client_host}:{port}")
         log(f"  PREFECT_API_URL={api_url} prefect deployment run ppo/iterate -p run=<name> -p iterations=N")
         if ray_workers:
             log(f"  Ray head on {worker_env['RAY_ADDRESS']}: add -p workers={ray_workers} -p ray_address=auto")
-        while not stop["now"] and all(p.poll() is None for p in procs):
+        next_reap = time.monotonic() + REAP_EVERY
+        while not stop["now"]:
             time.sleep(0.5)
-        dead = [p for p in procs if p.poll() is not None]
-        if dead and not stop["now"]:
-            log(f"a child process exited unexpectedly ({dead[0].args[1:3]}); stopping")
-            return 1
+            if time.monotonic() > next_reap:
+                next_reap = time.monotonic() + REAP_EVERY
+                _reap(env, log)
+            for child in children:
+                if stop["now"] or child.proc.poll() is None:
+                    continue
+                code = child.proc.returncode
+                if not child.may_restart(time.monotonic()):
+                    log(f"the {child.name} exited with code {code} (restarted {len(child.restarts) - 1} times "
+                        f"in {RESTART_WINDOW:.0f}s); stopping")
+                    return 1
+                log(f"the {child.name} exited with code {code}; starting it again")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.proc.pid, signal.SIGKILL)  # what is left of its process group
+                try:
+                    child.run()
+                except (RuntimeError, TimeoutError) as exc:
+                    log(f"the {child.name} could not be started again ({exc}); stopping")
+                    return 1
+                log(f"the {child.name} is back")
+                if child.name == "Prefect worker":
+                    _reap(env, log)
         return 0
     finally:
         log("stopping worker, Ray and server ..." if ray_workers else "stopping worker and server ...")
-        _stop(procs)
+        _stop([c.proc for c in children if c.proc is not None])
         for s, h in old.items():
             signal.signal(s, h)

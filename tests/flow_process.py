@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 FLOW = (
@@ -92,9 +91,17 @@ def mlflow_state(run: str, root: Path, tracking_uri: str | None = None) -> dict:
     return {"metrics": histories, "versions": versions, "status": mlflow_run.info.status, "params": len(mlflow_run.data.params)}
 
 
+def flow_runs(api: str) -> list[dict]:
+    """Every flow run the Prefect server at ``api`` knows, oldest first, as JSON (through Prefect's own client,
+    which also passes a server's CSRF protection)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs()
+    return sorted((r.model_dump(mode="json") for r in runs), key=lambda r: r["created"])
+
+
 def unfinished_flow_runs(api: str) -> list[dict]:
     """Flow runs the Prefect server at ``api`` still shows as scheduled, pending or running."""
-    body = json.dumps({"flow_runs": {"state": {"type": {"any_": ["RUNNING", "PENDING", "SCHEDULED"]}}}}).encode()
-    req = urllib.request.Request(f"{api}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read())
+    return [r for r in flow_runs(api) if r["state_type"] in ("RUNNING", "PENDING", "SCHEDULED")]

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -91,3 +92,25 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.2)
+
+
+def start_ppo_serve(env: dict[str, str], port: int, *args: str, timeout: float = 300) -> subprocess.Popen:
+    """`ppo serve --port PORT ARGS…` with ``env``; returns once it prints ``ready:`` (its output stays readable)."""
+    proc = subprocess.Popen(
+        [str(BIN / "ppo"), "serve", "--port", str(port), *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise AssertionError("ppo serve exited:\n" + "".join(lines))
+        lines.append(line)
+        if line.startswith("ready:"):
+            # keep reading: the worker's and flow runs' output goes to the same pipe and must never fill it
+            proc.lines = lines  # type: ignore[attr-defined]
+            threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+            return proc
+    proc.kill()
+    raise AssertionError("ppo serve never became ready:\n" + "".join(lines))

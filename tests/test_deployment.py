@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ppo_core import track
-from local_servers import free_port, processes_mentioning
+from local_servers import free_port, processes_mentioning, start_ppo_serve
 from ppo_core.config import PROJECT_ROOT, PPOConfig
 
 pytestmark = pytest.mark.slow
@@ -32,22 +32,7 @@ def served(tmp_path, tmp_path_factory):
     # the worker's allowed roots: the tests' temporary folders (tiny model, artifact roots) and the shipped data
     env["PPO_ALLOWED_ROOTS"] = os.pathsep.join([str(tmp_path_factory.getbasetemp()), str(PROJECT_ROOT / "data")])
     env.pop("PPO_KILL_AT", None)
-    proc = subprocess.Popen(
-        [str(BIN / "ppo"), "serve", "--port", str(port), "--ray-workers", "2"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    lines = []
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            raise AssertionError("ppo serve exited:\n" + "".join(lines))
-        lines.append(line)
-        if line.startswith("ready:"):
-            break
-    else:
-        proc.kill()
-        raise AssertionError("ppo serve never became ready:\n" + "".join(lines))
+    proc = start_ppo_serve(env, port, "--ray-workers", "2")
     yield env
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flow_process import (
-    child_env, digest, mlflow_state, release, run_flow, start_flow, tiny_overrides, unfinished_flow_runs, wait_paused,
+    child_env, digest, flow_runs, mlflow_state, release, run_flow, start_flow, tiny_overrides, unfinished_flow_runs, wait_paused,
 )
 from local_servers import free_port, start_mlflow_server, start_prefect_server, stop
 from ppo_core.layout import RunLayout
@@ -110,15 +110,6 @@ def test_mlflow_server_back_mid_run_catches_up_in_the_same_flow_run(prefect_api,
     assert state["versions"] == ref_mlflow["versions"] and state["status"] == "FINISHED"
 
 
-def _flow_runs(api: str) -> dict[str, dict]:
-    import json
-    import urllib.request
-
-    req = urllib.request.Request(f"{api}/flow_runs/filter", data=b"{}", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return {r["id"]: r for r in json.loads(resp.read())}
-
-
 def test_prefect_server_restarting_mid_run_loses_nothing(reference, tiny_model_dir, tmp_path):
     """Back within seconds: the flow run goes on and ends COMPLETED. Away until the flow run ends: the work is
     done, only its final state is lost, and the next flow run of the PPO run records it, recomputing nothing."""
@@ -151,12 +142,12 @@ def test_prefect_server_restarting_mid_run_loses_nothing(reference, tiny_model_d
 
     server = start_prefect_server(home, port)
     try:
-        [stale] = _flow_runs(api).values()
+        [stale] = flow_runs(api)
         assert stale["state_type"] == "RUNNING"  # what Prefect shows: the final state never arrived
         records = {p: p.stat().st_mtime_ns for p in (root / "run=away").rglob("phases/*.json")}
         assert run_flow("away", UNTIL, tiny_overrides(tiny_model_dir, root), tmp_path / "again.log", **quick) == 0
         assert all(p.stat().st_mtime_ns == t for p, t in records.items()), "a finished phase was recomputed"
-        runs = _flow_runs(api)
+        runs = {r["id"]: r for r in flow_runs(api)}
         assert unfinished_flow_runs(api) == []
     finally:
         stop(server)
