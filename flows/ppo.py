@@ -50,8 +50,8 @@ def ppo(
     """
     if not 1 <= iterations <= MAX_ITERATIONS:
         raise ValueError(f"parameter 'iterations' must be between 1 and {MAX_ITERATIONS} (got {iterations})")
-    if until is not None and not 0 <= until <= MAX_ITERATIONS * 100:
-        raise ValueError(f"parameter 'until' must be between 0 and {MAX_ITERATIONS * 100} (got {until})")
+    if until is not None and not 1 <= until <= MAX_ITERATIONS * 100:
+        raise ValueError(f"parameter 'until' must be between 1 and {MAX_ITERATIONS * 100} (got {until})")
     from_deployment = deployment.id is not None  # parameters chosen by whoever may start a run
     if from_deployment:
         check_config_file(config)

@@ -60,3 +60,15 @@ def test_temporary_files_of_a_killed_process_are_removed_when_the_run_resumes(ti
     pipeline.run(cfg, 1)
     assert not any(p.exists() for p in stale) and kept.exists()
     assert all(p.read_bytes() == b for p, b in before.items())  # nothing finished was touched
+
+
+def test_until_names_the_last_iteration_and_refuses_one_already_passed(tiny_cfg):
+    from ppo_core.pipeline import last_iteration
+
+    cfg = tiny_cfg(run="until")
+    assert last_iteration(cfg, first=1, iterations=3, until=None) == 3
+    assert last_iteration(cfg, first=4, iterations=3, until=None) == 6
+    assert last_iteration(cfg, first=3, iterations=3, until=5) == 5  # a re-run after a crash in iteration 3
+    assert last_iteration(cfg, first=6, iterations=3, until=5) == 5  # everything done: only the bookkeeping
+    with pytest.raises(ConfigError, match=r"parameter 'until': run 'until' has finished iteration 5 already \(got until=2\)"):
+        last_iteration(cfg, first=6, iterations=3, until=2)
