@@ -82,7 +82,7 @@ def train(
     run: str = typer.Option("default", help="run name; re-using a name resumes/extends that run"),
     iterations: int = typer.Option(3, min=1, max=1000, help="iterations to run after the last completed one"),
     until: Optional[int] = typer.Option(
-        None, min=0, help="train up to this iteration instead (re-running the same command after a crash finishes the same work)"
+        None, min=1, help="train up to this iteration instead (re-running the same command after a crash finishes the same work)"
     ),
     config: Optional[Path] = typer.Option(None, help="TOML or JSON config file"),
     set_: list[str] = typer.Option([], "--set", help="config override key=value (repeatable; lists as a,b or JSON)"),
@@ -109,6 +109,10 @@ def train(
         if debug:
             raise
         _fail(_one_line(exc))
+    except OSError as exc:  # a file the config names cannot be read (permissions, an unreadable device): name it
+        if debug:
+            raise
+        _fail(f"cannot read {exc.filename}: {exc.strerror}" if exc.filename else _one_line(exc))
     from flows.ppo import ppo
 
     try:
@@ -354,12 +358,13 @@ def generate(
     from ppo_core import registry
     from ppo_core.models import ModelError
     from ppo_core.registry import RegistryError
+    from ppo_core.runs import ArtifactIntegrityError
 
     try:
         cfg = registry.run_config(run, root)
         mv = registry.policy_version(cfg, version)
         model = registry.load_registered_policy(cfg, mv.version)
-    except (ConfigError, RegistryError, ModelError) as exc:
+    except (ConfigError, RegistryError, ModelError, ArtifactIntegrityError) as exc:
         _fail(_one_line(exc))
     typer.secho(f"# {mv.name} version {mv.version} (iteration {mv.tags.get('iteration', '?')} of run '{run}')", err=True, dim=True)
     answers = registry.generate_text(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
@@ -380,11 +385,12 @@ def export(
     from ppo_core.export import ExportError, export_adapter, export_fused
     from ppo_core.models import ModelError
     from ppo_core.registry import RegistryError
+    from ppo_core.runs import ArtifactIntegrityError
 
     try:
         cfg = registry.run_config(run, root)
         done = (export_fused if fuse else export_adapter)(cfg, version, out)
-    except (ConfigError, RegistryError, ModelError, ExportError) as exc:
+    except (ConfigError, RegistryError, ModelError, ExportError, ArtifactIntegrityError) as exc:
         _fail(_one_line(exc))
     what = "fused model" if fuse else "mlx-lm adapter"
     typer.echo(f"{what} of ppo-{run} version {done.version} (iteration {done.iteration}): {done.path}")

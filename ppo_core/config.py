@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -45,6 +46,36 @@ def artifact_root_problem(root: Path) -> str | None:
             return f"folder '{part}' looks like a hive partition (contains '='), which would shadow the run/iter columns"
         if any(c in part for c in "*?[]{}"):
             return f"folder '{part}' contains a glob character (one of *?[]{{}})"
+    return None
+
+
+NAME_MAX = 255  # bytes of one file or folder name (Linux and macOS file systems)
+PATH_MAX = 4096  # bytes of a whole path, its terminating NUL included (Linux)
+
+
+def path_problem(value: str | Path) -> str | None:
+    """Why ``value`` cannot name a file on this system, or None; it opens nothing.
+
+    Such a value would otherwise fail later, deep in whatever first opens it,
+    with a message that names neither the field nor the file.
+    """
+    text = str(value)
+    if not text.strip():
+        return "is empty: name a file or folder"
+    if "\x00" in text:
+        return "contains a NUL character, which no file name can hold"
+    try:  # strict UTF-8: the config is pinned as JSON (run.json), which cannot hold a lone surrogate
+        raw = text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"holds {text[exc.start]!r}, a lone surrogate (or a byte of a file name that is not UTF-8), "
+                "which the run's JSON config cannot hold")
+    if text.startswith("~") and os.path.expanduser(text) == text:
+        return f"starts with '{text.split('/')[0]}', which names no user's home folder"
+    longest = max((len(part) for part in raw.split(b"/")), default=0)
+    if longest > NAME_MAX:
+        return f"has a file or folder name of {longest} bytes, more than the {NAME_MAX} a name may have"
+    if len(raw) >= PATH_MAX:
+        return f"is {len(raw)} bytes long, more than the {PATH_MAX - 1} a path may have"
     return None
 
 
@@ -159,6 +190,23 @@ class PPOConfig(BaseModel):
     def _run_name(cls, v: str) -> str:
         return check_name(v)
 
+    @field_validator("prompts_path", "eval_prompts_path", "model", "artifact_root", mode="before")
+    @classmethod
+    def _file_name_given(cls, v: Any) -> Any:
+        # before conversion too: Path("") would be "." (the working folder), which nobody means by an empty value
+        problem = path_problem(v) if isinstance(v, (str, Path)) else None
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("prompts_path", "eval_prompts_path", "model", "artifact_root")
+    @classmethod
+    def _file_name(cls, v: Any) -> Any:
+        problem = path_problem(v)  # what a conversion made of it (bytes become text)
+        if problem:
+            raise ValueError(problem)
+        return v
+
     @field_validator("artifact_root")
     @classmethod
     def _root(cls, v: Path) -> Path:
@@ -170,6 +218,11 @@ class PPOConfig(BaseModel):
     @field_validator("reward")
     @classmethod
     def _reward_spec(cls, v: str) -> str:
+        # the file a learned reward model or a python: reward's .py is read from
+        target = v.removeprefix("model:") if v.startswith("model:") else v.removeprefix("python:").rpartition(":")[0]
+        problem = path_problem(target) if v.startswith("model:") or target.endswith(".py") else None
+        if problem:
+            raise ValueError(f"the file of {v!r} {problem}")
         if v in ("vader", "length") or re.match(r"^keyword:\w[\w,]*$", v) or v.startswith("model:"):
             return v
         if v.startswith("python:"):
@@ -315,8 +368,9 @@ def _format_error(err: ValidationError) -> str:
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "config"
         msg = e["msg"].removeprefix("Value error, ")
-        got = e.get("input")
-        lines.append(f"config field '{field}': {msg} (got {got!r})")
+        got = repr(e.get("input"))
+        got = got if len(got) <= 200 else f"{got[:150]}… ({len(got)} characters)"  # a huge value stays readable
+        lines.append(f"config field '{field}': {msg} (got {got})")
     return "; ".join(lines)
 
 
@@ -327,7 +381,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     key, raw = item.split("=", 1)
     try:
         value: Any = json.loads(raw)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an integer beyond Python's digit limit, nesting too deep
         value = raw
     return key.strip(), value
 
@@ -335,13 +389,14 @@ def parse_override(item: str) -> tuple[str, Any]:
 def check_known(data: dict[str, Any], known: Iterable[str], what: str = "config field") -> None:
     """Refuse keys not in ``known``, suggesting the closest known one (a typo) or else listing them all."""
     known = sorted(known)
-    unknown = sorted(set(data) - set(known))
+    unknown = sorted(set(data) - set(known), key=str)
     if not unknown:
         return
     hints = []
     for key in unknown:
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        hints.append(f"unknown {what} '{key}'" + (f": did you mean '{close[0]}'?" if close else ""))
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6) if isinstance(key, str) else []
+        # repr: a key holding a control character or lone surrogate stays one printable line
+        hints.append(f"unknown {what} {str(key)!r}" + (f": did you mean '{close[0]}'?" if close else ""))
     if any("did you mean" not in h for h in hints):
         hints.append(f"known: {', '.join(known)}")
     raise ConfigError("; ".join(hints))
@@ -365,6 +420,9 @@ def load_config(
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a table/object of config fields")
         data = data.get("ppo", data)
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p}: 'ppo' must be a table/object of config fields")
+        data = dict(data)
     if isinstance(overrides, list):
         overrides = dict(parse_override(o) for o in overrides)
     data.update(overrides or {})

@@ -53,9 +53,17 @@ def model_dims(cfg: PPOConfig) -> dict[str, int]:
         return SMOLLM2_DIMS
     path = Path(cfg.model).expanduser() / "config.json"
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        dims = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return {}  # resolve_model_dir reports a missing or broken model directory, by name
+    # a config.json without the sizes (or with text for them) cannot be estimated: the model load judges it
+    sizes = [dims.get(k) for k in SMOLLM2_DIMS if k != "num_key_value_heads"] if isinstance(dims, dict) else [None]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+        return {}
+    for key in ("num_key_value_heads", "head_dim"):
+        if not isinstance(dims.get(key), int) or dims[key] <= 0:
+            dims.pop(key, None)
+    return dims
 
 
 def longest_prompt_tokens(*prompt_sets: pl.DataFrame) -> int:

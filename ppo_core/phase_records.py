@@ -62,11 +62,20 @@ def _check_inputs(iteration: int, phase: str, inputs: dict[str, Path]) -> None:
         raise FileNotFoundError(f"{phase} (iteration {iteration}) is missing its input(s): {', '.join(missing)}")
 
 
+def record_digest(record: dict[str, Any]) -> str:
+    """sha256 of a record's content but its own digest: a changed time or statistic shows like a changed output."""
+    body = {k: v for k, v in record.items() if k != "record_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def _valid_record(cfg: PPOConfig, iteration: int, phase: str, key: str) -> dict[str, Any] | None:
     path = cfg.layout.phase_record(iteration, phase)
     try:
         record = json.loads(path.read_text())
         if not isinstance(record, dict) or record.get("key") != key:
+            return None
+        # records written before the digest existed have none; a damaged one has a digest that no longer fits
+        if "record_sha256" in record and record["record_sha256"] != record_digest(record):
             return None
         for name, p in record["outputs"].items():
             # a cached result never hands back a path to a file that is gone or altered
@@ -119,6 +128,7 @@ def _run_phase(
     # where it ran: with Ray workers the flow's process is not the one that computed a shard
     ran_on = {"host": socket.gethostname(), "pid": os.getpid()}
     record = {"key": key, "outputs": out, "hashes": hashes, "seconds": seconds, "stats": stats, "ran_on": ran_on}
+    record["record_sha256"] = record_digest(record)
     atomic_write_text(cfg.layout.phase_record(iteration, phase), json.dumps(record, indent=2, sort_keys=True))
     failpoint("phase.done")
     return PhaseResult(phase, iteration, out, hashes, False, seconds, stats)

@@ -90,6 +90,33 @@ def start(cfg: PPOConfig, runner: Runner | None = None) -> list[dict[str, Any]]:
     return results
 
 
+def repair(cfg: PPOConfig, iteration: int, runner: Runner | None = None) -> None:
+    """Recompute finished ``iteration`` if a file of it no longer matches its manifest (bit rot, an edit).
+
+    Its intact phases are reused and the damaged outputs written again, to the
+    same bytes; a file that still differs afterwards is an error.
+    """
+    if not runs.damaged_artifacts(cfg, iteration):
+        return
+    if iteration == 0:
+        start(cfg, runner)
+    else:
+        run_iteration(cfg, iteration, runner)
+    still = runs.damaged_artifacts(cfg, iteration)
+    if still:
+        raise runs.ArtifactIntegrityError(
+            f"files {', '.join(still)} of run '{cfg.run}' differ from iteration {iteration}'s manifest even after "
+            "recomputing them"
+        )
+
+
+def repair_finished(cfg: PPOConfig, runner: Runner | None = None) -> None:
+    """``repair`` every finished iteration, oldest first: what a run checks before it goes on (tables are read by
+    SQL and the report, not only by the next iteration)."""
+    for iteration in cfg.layout.completed_iterations():
+        repair(cfg, iteration, runner)
+
+
 def run_iteration(cfg: PPOConfig, iteration: int, runner: Runner | None = None) -> list[dict[str, Any]]:
     """All phases of ``iteration`` (each reused if its outputs are intact), then its manifest.
 
@@ -98,20 +125,7 @@ def run_iteration(cfg: PPOConfig, iteration: int, runner: Runner | None = None) 
     """
     runner = runner or Runner()
     prev = cfg.layout.checkpoint(iteration - 1)
-    damaged = runs.damaged_checkpoint(cfg, iteration - 1)
-    if damaged:
-        # a finished iteration's checkpoint no longer matches its manifest (bit rot, an edit): redo that
-        # iteration, whose other phases are reused, instead of training on from altered weights
-        if iteration == 1:
-            start(cfg, runner)
-        else:
-            run_iteration(cfg, iteration - 1, runner)
-        still = runs.damaged_checkpoint(cfg, iteration - 1)
-        if still:
-            raise runs.ArtifactIntegrityError(
-                f"checkpoint files {', '.join(still)} of run '{cfg.run}' differ from iteration {iteration - 1}'s "
-                "manifest even after recomputing them"
-            )
+    repair(cfg, iteration - 1, runner)  # never train on from altered weights or tables
     ro = _data_phase(runner, phases.rollout, cfg, iteration, prev)
     rollouts = output(ro, "rollouts")
     sa = _data_phase(runner, phases.attribute, cfg, iteration, rollouts, prev)
@@ -152,6 +166,7 @@ def run(cfg: PPOConfig, iterations: int, runner: Runner | None = None) -> dict[i
     with runs.run_lock(cfg):
         runs.remove_stale_temp_files(cfg)
         runs.pin_config(cfg)
+        repair_finished(cfg, runner)
         start(cfg, runner)
         first = runs.next_iteration(cfg)
         return {it: run_iteration(cfg, it, runner) for it in range(first, first + iterations)}
@@ -270,6 +285,7 @@ def run_tracked(
         with scope("start"):
             tracking(lambda: track.set_status(cfg, "RUNNING"))
         try:
+            repair_finished(cfg, runner)
             start(cfg, runner)
             # and what an earlier flow run could not log (killed, or its server away)
             tracking(lambda: log_finished_iterations(cfg))

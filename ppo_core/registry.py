@@ -262,7 +262,7 @@ def run_config(run: str, artifact_root: Path | str | None = None, overrides: dic
     """
     root = Path(artifact_root) if artifact_root is not None else PPOConfig.model_fields["artifact_root"].default
     pinned_path = RunLayout(root, run).run_json
-    pinned = runs.read_json(pinned_path, "the run's pinned config")["config"] if pinned_path.is_file() else {}
+    pinned = runs.read_json(pinned_path, "the run's pinned config", runs.PINNED_KEYS)["config"] if pinned_path.is_file() else {}
     # the pinned artifact_root may be stale (a moved folder); the one given here is where the run is now
     return load_config(overrides={**pinned, **(overrides or {}), "run": run, "artifact_root": str(root)})
 

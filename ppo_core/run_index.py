@@ -101,7 +101,7 @@ def list_runs(root: Path) -> list[RunSummary]:
 
 def config_diff(root: Path, a: str, b: str) -> list[tuple[str, Any, Any]]:
     """(field, value in a, value in b) for every config field the two runs differ in."""
-    ca, cb = (runs.read_json(RunLayout(root, r).run_json, "the run's pinned config")["config"] for r in (a, b))
+    ca, cb = (runs.read_json(RunLayout(root, r).run_json, "the run's pinned config", runs.PINNED_KEYS)["config"] for r in (a, b))
     return [(k, ca.get(k), cb.get(k)) for k in sorted(set(ca) | set(cb)) if k not in ("run",) and ca.get(k) != cb.get(k)]
 
 

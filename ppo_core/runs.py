@@ -47,6 +47,7 @@ def check_inputs(cfg: PPOConfig, create_root: bool = True) -> None:
     from ppo_core.memory import check_memory
 
     check_memory(cfg, loaded)  # before any model loads: a config too large for this machine is refused, fields named
+    check_prompts_fit(cfg, *loaded)
     if cfg.reward_model_file is not None and not cfg.reward_model_file.is_file():
         raise ConfigError(f"config field 'reward': reward model file {cfg.reward_model_file} does not exist")
     if cfg.reward.startswith("python:"):
@@ -69,6 +70,48 @@ def check_inputs(cfg: PPOConfig, create_root: bool = True) -> None:
         raise ConfigError(f"artifact root {root} is not writable" + (f" ({existing} is not)" if existing != root else ""))
 
 
+def check_prompts_fit(cfg: PPOConfig, prompts: pl.DataFrame, eval_prompts: pl.DataFrame | None = None) -> None:
+    """Refuse a prompt too long for the model's context now, with the model's tokenizer alone: no weights load.
+
+    The rollout (or evaluate) phase finds such a prompt too, but only after
+    the run's config was pinned: a run that trained nothing, whose config can
+    no longer change (say, a lower max_new_tokens). Writes nothing. The
+    default model is checked once converted (its first run converts it); a
+    tokenizer or config.json that does not load is left to the model load,
+    which names the model directory.
+    """
+    from types import SimpleNamespace
+
+    from ppo_core.config import DEFAULT_MODEL
+    from ppo_core.models import smollm2_converted_dir
+    from ppo_core.prompts import check_prompt_lengths
+
+    model_dir = smollm2_converted_dir(cfg.artifact_root) if cfg.model == DEFAULT_MODEL else Path(cfg.model).expanduser()
+    if not (model_dir / "config.json").is_file():
+        return
+    sets = [(cfg.prompts_path, prompts, cfg.max_new_tokens)]
+    if eval_prompts is not None:
+        sets.append((cfg.eval_prompts_path, eval_prompts.head(cfg.eval_size), cfg.eval_max_new_tokens))
+    from mlx_lm.utils import load_tokenizer
+    from transformers.utils import logging as transformers_logging
+
+    from ppo_core.generate import render_prompts
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # not its "longer than the maximum" warning: the refusal says it
+    try:
+        model = SimpleNamespace(tokenizer=load_tokenizer(model_dir))  # what render_prompts reads of a model
+        context = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+        context = int(context or getattr(model.tokenizer, "model_max_length", 2048))  # as phases._context_length
+        counts = [[len(ids) for ids in render_prompts(model, prompts["prompt"].to_list())] for _, prompts, _ in sets]
+    except Exception:  # noqa: BLE001  (a broken tokenizer or config: the model load reports it by name)
+        return
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    for (path, prompts, max_new_tokens), n_tokens in zip(sets, counts):
+        check_prompt_lengths(prompts, n_tokens, max_new_tokens, context, path)
+
+
 def check_visible(cfg: PPOConfig) -> None:
     """Fail clearly on a node that does not see the run's artifact root (on a cluster: the shared filesystem)."""
     if not cfg.layout.run_json.is_file():
@@ -82,12 +125,25 @@ class ArtifactIntegrityError(RuntimeError):
     """A run's bookkeeping file is damaged, or a finished artifact differs from its manifest even after recomputing."""
 
 
-def read_json(path: Path, what: str) -> Any:
-    """A run's JSON file (run.json, a manifest), or an error naming it when it is damaged."""
+def read_json(path: Path, what: str, required: tuple[str, ...] = ()) -> Any:
+    """A run's JSON file (run.json, a manifest), or an error naming it when it is damaged.
+
+    ``required``: the keys it must hold (a flipped bit in a key's name leaves valid JSON without it).
+    """
     try:
-        return json.loads(Path(path).read_text())
+        payload = json.loads(Path(path).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ArtifactIntegrityError(f"{what} {path} is damaged ({exc}); restore it or start a new run name") from None
+    missing = [k for k in required if not isinstance(payload, dict) or k not in payload]
+    if missing:
+        raise ArtifactIntegrityError(
+            f"{what} {path} is damaged (no {', '.join(map(repr, missing))}); restore it or start a new run name"
+        )
+    return payload
+
+
+PINNED_KEYS = ("run", "training_hash", "config")  # what run.json must hold
+MANIFEST_KEYS = ("artifacts", "phases", "config_hash")
 
 
 def pinned_files(cfg: PPOConfig) -> dict[str, Path]:
@@ -119,7 +175,7 @@ def pin_config(cfg: PPOConfig) -> None:
         payload = {"run": cfg.run, "training_hash": cfg.training_hash(), "config": cfg.to_json_dict(), "pinned_sha256": now}
         atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True))
         return
-    payload = read_json(path, "the run's pinned config")
+    payload = read_json(path, "the run's pinned config", PINNED_KEYS)
     if payload.get("pinned_sha256") is None:  # a run started before files were pinned: pin them now
         atomic_write_text(path, json.dumps({**payload, "pinned_sha256": now}, indent=2, sort_keys=True))
 
@@ -134,7 +190,7 @@ def check_pinned(cfg: PPOConfig) -> dict[str, str]:
     now = {name: sha256_file(p) for name, p in files.items() if p.is_file()}
     if not path.is_file():
         return now
-    payload = read_json(path, "the run's pinned config")
+    payload = read_json(path, "the run's pinned config", PINNED_KEYS)
     if payload["training_hash"] != cfg.training_hash():
         old, new = payload["config"], cfg.to_json_dict()
         fields = PPOConfig.model_fields
@@ -158,20 +214,15 @@ def check_pinned(cfg: PPOConfig) -> dict[str, str]:
     return now
 
 
-def damaged_checkpoint(cfg: PPOConfig, iteration: int) -> list[str]:
-    """Files of ``iteration``'s checkpoint that are missing or differ from what its manifest recorded."""
+def damaged_artifacts(cfg: PPOConfig, iteration: int) -> list[str]:
+    """Files of finished ``iteration`` (tables, checkpoint, metrics) missing or different from its manifest."""
     manifest = cfg.layout.manifest(iteration)
     if not manifest.is_file():
         return []  # an unfinished iteration: its phases verify their own outputs
-    recorded = read_json(manifest, f"the manifest of iteration {iteration}").get("artifacts", {})
+    recorded = read_json(manifest, f"the manifest of iteration {iteration}", MANIFEST_KEYS)["artifacts"]
     run_dir = cfg.layout.run_dir.resolve()
-    ckpt_dir = cfg.layout.checkpoint(iteration).dir.resolve()
-    damaged = []
-    for rel, digest in sorted(recorded.items()):
-        p = run_dir / rel
-        if p.parent == ckpt_dir and (not p.is_file() or sha256_file(p) != digest):
-            damaged.append(rel)
-    return damaged
+    return [rel for rel, digest in sorted(recorded.items())
+            if not (run_dir / rel).is_file() or sha256_file(run_dir / rel) != digest]
 
 
 class RunBusyError(RuntimeError):
@@ -314,7 +365,7 @@ def write_manifest(cfg: PPOConfig, iteration: int, phase_results: list[dict[str,
 
 
 def read_manifest(cfg: PPOConfig, iteration: int) -> dict[str, Any]:
-    return read_json(cfg.layout.manifest(iteration), f"the manifest of iteration {iteration}")
+    return read_json(cfg.layout.manifest(iteration), f"the manifest of iteration {iteration}", MANIFEST_KEYS)
 
 
 def finished_at_ms(cfg: PPOConfig, manifest: dict[str, Any], iteration: int) -> int:

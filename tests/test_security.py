@@ -118,9 +118,9 @@ def test_a_damaged_checkpoint_is_recomputed_before_the_next_iteration_trains_on(
     adapter = cfg.layout.checkpoint(2).adapter("policy")
     good = adapter.read_bytes()
     adapter.write_bytes(good[:-8] + b"\x00" * 8)  # bit rot in the weights' last bytes: still a readable file
-    assert runs.damaged_checkpoint(cfg, 2) == ["iter=0002/checkpoint/policy_adapter.safetensors"]
+    assert runs.damaged_artifacts(cfg, 2) == ["iter=0002/checkpoint/policy_adapter.safetensors"]
     pipeline.run(cfg, 1)
-    assert adapter.read_bytes() == good and runs.damaged_checkpoint(cfg, 2) == []
+    assert adapter.read_bytes() == good and runs.damaged_artifacts(cfg, 2) == []
     assert cfg.layout.completed_iterations() == [0, 1, 2, 3]
 
 
