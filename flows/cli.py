@@ -80,7 +80,7 @@ class _NoTraceback(logging.Filter):
 @app.command()
 def train(
     run: str = typer.Option("default", help="run name; re-using a name resumes/extends that run"),
-    iterations: int = typer.Option(3, min=1, max=1000, help="iterations to run after the last completed one"),
+    iterations: Optional[int] = typer.Option(None, min=1, max=1000, help="iterations to run after the last completed one [default: 3]"),
     until: Optional[int] = typer.Option(
         None, min=1, help="train up to this iteration instead (re-running the same command after a crash finishes the same work)"
     ),
@@ -98,6 +98,9 @@ def train(
     from ppo_core.runs import ArtifactIntegrityError, RunBusyError, preflight
     from tasks.cluster import check_execution, check_reachable
 
+    if iterations is not None and until is not None:
+        _fail("give --iterations (more after the last finished one) or --until (up to that one), not both")
+    iterations = iterations or 3
     try:  # everything that can be checked before Prefect starts or a model loads
         overrides = _overrides(set_, run)
         cfg = load_config(config, {**overrides, "run": run})

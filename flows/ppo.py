@@ -17,13 +17,11 @@ from prefect import flow, get_run_logger
 from prefect.runtime import deployment, flow_run
 
 from ppo_core import pipeline
+from ppo_core.pipeline import MAX_ITERATIONS
 from ppo_core.allowed_paths import check_allowed_paths, check_config_file
 from ppo_core.config import load_config
 from tasks.cluster import execution
 from tasks.flow_runs import settle_previous
-
-
-MAX_ITERATIONS = 1000  # per flow run: a run continues where the last flow run stopped
 
 
 @flow(name="ppo", log_prints=True, validate_parameters=True, persist_result=False)
@@ -50,8 +48,8 @@ def ppo(
     """
     if not 1 <= iterations <= MAX_ITERATIONS:
         raise ValueError(f"parameter 'iterations' must be between 1 and {MAX_ITERATIONS} (got {iterations})")
-    if until is not None and not 1 <= until <= MAX_ITERATIONS * 100:
-        raise ValueError(f"parameter 'until' must be between 1 and {MAX_ITERATIONS * 100} (got {until})")
+    if until is not None and until < 1:
+        raise ValueError(f"parameter 'until' must be 1 or more (got {until})")
     from_deployment = deployment.id is not None  # parameters chosen by whoever may start a run
     if from_deployment:
         check_config_file(config)

@@ -223,11 +223,9 @@ def _start_ray_head(workers: int, env: dict[str, str], procs: list[subprocess.Po
         time.sleep(0.5)
 
 
-def _reap(env: dict[str, str], log) -> None:
-    try:
-        reap_orphaned_flow_runs(env, log)
-    except Exception as exc:  # a server restarting right now: the next look will do
-        log(f"could not look for flow runs left by a dead worker: {exc}")
+WATCH_EVERY = 5.0  # seconds between looks at which flow runs the supervised worker's processes run
+RESTARTS, RESTART_WINDOW = 5, 600.0
+WORKER_MARK = "PPO_SERVE_WORKER"  # in the worker's environment, so in every flow-run process it starts
 
 
 @dataclass
@@ -240,41 +238,40 @@ class Supervised:
     proc: subprocess.Popen | None = None
     restarts: list[float] = field(default_factory=list)
 
-    def run(self) -> subprocess.Popen:
-        self.proc = self.start()
-        return self.proc
-
     def may_restart(self, now: float) -> bool:
         """Crash-loop guard: at most RESTARTS restarts within RESTART_WINDOW seconds."""
         self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW] + [now]
         return self.restartable and len(self.restarts) <= RESTARTS
 
 
-RESTARTS, RESTART_WINDOW = 5, 600.0
-REAP_EVERY = 60.0  # seconds between looks for flow runs whose process died with a worker
-
-
-def _runs_flow(pid: int, flow_run_id: str) -> bool:
-    """Whether process ``pid`` on this machine is (still) the one running flow run ``flow_run_id``."""
-    environ = Path(f"/proc/{pid}/environ")
-    if not Path("/proc/self/environ").exists():  # no /proc (macOS): existence is all there is to know
+def flow_run_processes(mark: str) -> dict[str, int]:
+    """{flow run id: pid} of this machine's processes that carry ``mark`` (started by our worker) and a flow run."""
+    found = {}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+            entries = environ.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if mark.encode() not in entries:
+            continue
+        for entry in entries:
+            if entry.startswith(b"PREFECT__FLOW_RUN_ID="):
+                found.setdefault(entry.split(b"=", 1)[1].decode(), int(environ.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped, as in some containers whose init does not, does not)."""
     try:
-        return flow_run_id.encode() in environ.read_bytes()  # a reused pid runs something else
-    except FileNotFoundError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    except OSError:
-        return True  # not ours to read: assume alive
+    return state not in ("Z", "X")
 
 
-def reap_orphaned_flow_runs(env: dict[str, str], log=print) -> list[str]:
-    """Mark CRASHED the pool's flow runs whose process on this machine is gone; returns their names.
+def crash_orphans(env: dict[str, str], orphans: dict[str, int], log=print) -> list[str]:
+    """Mark CRASHED the flow runs in ``orphans`` ({id: pid}, processes our dead worker started, now gone) that
+    Prefect still shows RUNNING; returns their names.
 
     A process worker reports a flow run whose process dies. When the worker
     dies with it (a container or machine kill), nobody does: the flow run stays
@@ -282,30 +279,24 @@ def reap_orphaned_flow_runs(env: dict[str, str], log=print) -> list[str]:
     expires (minutes), so the next deployment run waits. Marking it CRASHED
     frees the slot at once; the next flow run of the PPO run resumes it.
     """
+    from uuid import UUID
+
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, WorkPoolFilter, WorkPoolFilterName,
-    )
-    from prefect.client.schemas.objects import StateType
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
     from prefect.states import Crashed
 
-    reaped = []
+    marked = []
     settings = {PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_API_AUTH_STRING: env.get("PREFECT_API_AUTH_STRING")}
     with temporary_settings(updates=settings), get_client(sync_client=True) as client:
-        unfinished = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))),
-            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[POOL])),
-        )
-        for run in unfinished:
-            pid = (run.infrastructure_pid or "").rsplit(":", 1)[-1]
-            if not pid.isdigit() or _runs_flow(int(pid), str(run.id)):
+        for run_id, pid in orphans.items():
+            run = client.read_flow_run(UUID(run_id))
+            if run.state is None or not run.state.is_running():
                 continue
             message = f"its process (pid {pid}) is gone: the worker that started it died with it; marked by ppo serve"
             client.set_flow_run_state(run.id, Crashed(message=message), force=True)
             log(f"marked flow run {run.name} CRASHED: {message}")
-            reaped.append(run.name)
-    return reaped
+            marked.append(run.name)
+    return marked
 
 
 def serve(
@@ -315,8 +306,8 @@ def serve(
 
     A server or worker that dies is started again (same port, same database
     under PREFECT_HOME), at most ``RESTARTS`` times in ``RESTART_WINDOW``
-    seconds; a flow run whose process died with its worker is marked CRASHED
-    by the next flow run of its PPO run, which resumes from the finished phases.
+    seconds. The flow runs whose processes died with the worker are marked
+    CRASHED; the next flow run of their PPO run resumes from the finished phases.
     """
     client_host = reachable_host(host)
     api_url = f"http://{client_host}:{port}/api"
@@ -328,6 +319,7 @@ def serve(
         return 2
     if env.get(AUTH_ENV):
         env["PREFECT_API_AUTH_STRING"] = env[AUTH_ENV]  # the worker and the CLI calls below authenticate
+    started: list[subprocess.Popen] = []  # every process started here, stopped at the end whatever happened
     children: list[Supervised] = []
     stop = {"now": False}
 
@@ -341,14 +333,22 @@ def serve(
              "--port", str(port), "--log-level", "warning"],
             env=server_env(host, port, env), cwd=PROJECT_ROOT, start_new_session=True,
         )  # fmt: skip
+        started.append(server)
         _wait_healthy(api_url, server, startup_timeout)
         return server
+
+    def start_worker() -> subprocess.Popen:
+        worker = subprocess.Popen(
+            [_bin("prefect"), "worker", "start", "--pool", POOL], env=worker_env, cwd=PROJECT_ROOT, start_new_session=True
+        )
+        started.append(worker)
+        return worker
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         log(f"starting Prefect server on {api_url} ...")
         children.append(Supervised("Prefect server", start_server))
-        children[-1].run()
+        children[-1].proc = start_server()
         pools = subprocess.run([_bin("prefect"), "work-pool", "ls"], env=env, capture_output=True, text=True, check=True)
         verb = ["update", POOL] if POOL in pools.stdout else ["create", POOL, "--type", "process"]
         with tempfile.TemporaryDirectory() as tmp:
@@ -356,28 +356,38 @@ def serve(
             template.write_text(json.dumps(locked_job_template(env)))
             subprocess.run([_bin("prefect"), "work-pool", *verb, "--base-job-template", str(template)], env=env, check=True, capture_output=True)
         subprocess.run([_bin("prefect"), "--no-prompt", "deploy", "--all"], env=env, cwd=PROJECT_ROOT, check=True, capture_output=True)
-        worker_env = env
+        mark = f"{WORKER_MARK}={os.getpid()}-{secrets.token_hex(4)}"
+        worker_env = {**env, WORKER_MARK: mark.split("=", 1)[1]}
         if ray_workers:
             log(f"starting a local Ray head with {ray_workers} worker processes ...")
-            ray_procs: list[subprocess.Popen] = []
-            worker_env = {**env, **_start_ray_head(ray_workers, env, ray_procs, startup_timeout)}
+            worker_env.update(_start_ray_head(ray_workers, env, started, startup_timeout))
             # a new head would have a new address and token, unknown to running flow runs: not restarted
-            children.append(Supervised("Ray head", lambda: ray_procs[0], restartable=False))
-            children[-1].run()
-        children.append(Supervised("Prefect worker", lambda: subprocess.Popen(
-            [_bin("prefect"), "worker", "start", "--pool", POOL], env=worker_env, cwd=PROJECT_ROOT, start_new_session=True
-        )))  # fmt: skip
-        children[-1].run()
+            children.append(Supervised("Ray head", lambda: started[-1], restartable=False, proc=started[-1]))
+        children.append(Supervised("Prefect worker", start_worker))
+        children[-1].proc = start_worker()
         log(f"ready: deployment 'ppo/iterate' on pool '{POOL}'. UI: http://{client_host}:{port}")
         log(f"  PREFECT_API_URL={api_url} prefect deployment run ppo/iterate -p run=<name> -p iterations=N")
         if ray_workers:
             log(f"  Ray head on {worker_env['RAY_ADDRESS']}: add -p workers={ray_workers} -p ray_address=auto")
-        next_reap = time.monotonic() + REAP_EVERY
+        # flow runs our worker's processes run: {id: (pid, the worker process that started it)}
+        watched: dict[str, tuple[int, subprocess.Popen]] = {}
+        worker = children[-1]
+        next_watch = 0.0
         while not stop["now"]:
             time.sleep(0.5)
-            if time.monotonic() > next_reap:
-                next_reap = time.monotonic() + REAP_EVERY
-                _reap(env, log)
+            if time.monotonic() > next_watch and Path("/proc").is_dir():
+                next_watch = time.monotonic() + WATCH_EVERY
+                gone = {k: v for k, v in watched.items() if not _alive(v[0])}
+                watched = {k: v for k, v in watched.items() if k not in gone}
+                for run_id, pid in flow_run_processes(mark).items():
+                    watched.setdefault(run_id, (pid, worker.proc))
+                # a live worker reports its own flow runs' deaths; a dead one cannot
+                orphans = {k: pid for k, (pid, started_by) in gone.items() if started_by.poll() is not None}
+                if orphans:
+                    try:
+                        crash_orphans(env, orphans, log)
+                    except Exception as exc:  # the server restarting too: the next run's lock check records them
+                        log(f"could not mark the flow runs that died with the worker: {exc}")
             for child in children:
                 if stop["now"] or child.proc.poll() is None:
                     continue
@@ -390,16 +400,15 @@ def serve(
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(child.proc.pid, signal.SIGKILL)  # what is left of its process group
                 try:
-                    child.run()
+                    child.proc = child.start()
                 except (RuntimeError, TimeoutError) as exc:
                     log(f"the {child.name} could not be started again ({exc}); stopping")
                     return 1
                 log(f"the {child.name} is back")
-                if child.name == "Prefect worker":
-                    _reap(env, log)
+                next_watch = 0.0  # look for the flow runs that died with it now
         return 0
     finally:
         log("stopping worker, Ray and server ..." if ray_workers else "stopping worker and server ...")
-        _stop([c.proc for c in children if c.proc is not None])
+        _stop(sorted(started, key=lambda p: "worker" in p.args))  # workers stop first (_stop goes backwards)
         for s, h in old.items():
             signal.signal(s, h)

@@ -74,8 +74,9 @@ def _valid_record(cfg: PPOConfig, iteration: int, phase: str, key: str) -> dict[
         record = json.loads(path.read_text())
         if not isinstance(record, dict) or record.get("key") != key:
             return None
-        # records written before the digest existed have none; a damaged one has a digest that no longer fits
-        if "record_sha256" in record and record["record_sha256"] != record_digest(record):
+        # a damaged record has a digest that no longer fits (or none: a flipped bit in its name); a record
+        # written before the digest existed runs its phase once more, to the same bytes
+        if record.get("record_sha256") != record_digest(record):
             return None
         for name, p in record["outputs"].items():
             # a cached result never hands back a path to a file that is gone or altered

@@ -29,6 +29,7 @@ from ppo_core.faults import scope
 from ppo_core.layout import iter_label
 from ppo_core.phases import Shard
 from ppo_core.report import build_report
+from ppo_core.tables import atomic_write_text
 
 PhaseCall = tuple[tuple[Any, ...], dict[str, Any]]  # (positional args after cfg, keyword args)
 
@@ -93,20 +94,27 @@ def start(cfg: PPOConfig, runner: Runner | None = None) -> list[dict[str, Any]]:
 def repair(cfg: PPOConfig, iteration: int, runner: Runner | None = None) -> None:
     """Recompute finished ``iteration`` if a file of it no longer matches its manifest (bit rot, an edit).
 
-    Its intact phases are reused and the damaged outputs written again, to the
-    same bytes; a file that still differs afterwards is an error.
+    Its intact phases are reused and the damaged outputs written again. They
+    must come out as the manifest recorded them: later iterations were trained
+    on those bytes. Different bytes (the code or a library changed since) are
+    an error, and the manifest keeps what it recorded.
     """
     if not runs.damaged_artifacts(cfg, iteration):
         return
+    manifest = cfg.layout.manifest(iteration)
+    recorded = manifest.read_bytes()
     if iteration == 0:
         start(cfg, runner)
     else:
         run_iteration(cfg, iteration, runner)
+    if manifest.read_bytes() != recorded:
+        atomic_write_text(manifest, recorded.decode())  # the run's lineage is what was recorded, not what came out now
     still = runs.damaged_artifacts(cfg, iteration)
     if still:
         raise runs.ArtifactIntegrityError(
             f"files {', '.join(still)} of run '{cfg.run}' differ from iteration {iteration}'s manifest even after "
-            "recomputing them"
+            "recomputing them (has the code or a library changed since?); later iterations were trained on the "
+            "recorded bytes: restore the files or start a new run name"
         )
 
 
@@ -188,17 +196,20 @@ def log_finished_iterations(cfg: PPOConfig) -> list[int]:
     return pending
 
 
-def publish(cfg: PPOConfig, iteration: int, report_path: Path):
-    """What a finished flow run tells MLflow: ``iteration``'s policy registered, the report, FINISHED.
-
-    Every step is idempotent; returns the ModelVersion.
+def publish(cfg: PPOConfig, iteration: int, report_path: Path) -> tuple[Any, list[int]]:
+    """What a finished flow run tells MLflow: every finished iteration it lacks, ``iteration``'s policy registered,
+    the report, FINISHED. Every step is idempotent; returns the ModelVersion and the iterations logged now.
     """
+    logged = log_finished_iterations(cfg)
     with scope("registry"):
         version = registry.register_policy(cfg, iteration)
     with scope("finish"):
         track.log_report(cfg, report_path)
         track.set_status(cfg, "FINISHED")
-    return version
+    return version, logged
+
+
+MAX_ITERATIONS = 1000  # per flow run (a deployment's parameters are untrusted): a run continues where the last stopped
 
 
 def last_iteration(cfg: PPOConfig, first: int, iterations: int, until: int | None) -> int:
@@ -213,6 +224,11 @@ def last_iteration(cfg: PPOConfig, first: int, iterations: int, until: int | Non
         raise ConfigError(
             f"parameter 'until': run '{cfg.run}' has finished iteration {first - 1} already (got until={until}); "
             "name a later iteration, or use 'iterations' to add more"
+        )
+    if until - first + 1 > MAX_ITERATIONS:
+        raise ConfigError(
+            f"parameter 'until': {until} is {until - first + 1} iterations after run '{cfg.run}''s last finished one "
+            f"({first - 1}); one flow run trains at most {MAX_ITERATIONS}"
         )
     return until
 
@@ -243,7 +259,7 @@ class Tracking:
             self.away = away
             return None
         if self.away is not None:
-            self.log("the MLflow tracking server answers again: logged what it missed")
+            self.log("the MLflow tracking server answers again")
             self.away = None
         return result
 
@@ -268,14 +284,19 @@ def run_tracked(
     next flow run) will log.
 
     ``owner`` names this process's run in the run's lock (a Prefect flow run);
-    ``on_previous_owner`` gets what the previous holder left there (its name,
-    and how it ended unless it died holding the lock), so its orchestrator can
-    record a crash, or a final state that never reached it.
+    ``on_previous_owner`` gets each line earlier holders left there (a name,
+    and how it ended unless it died holding the lock) that no orchestrator has
+    recorded yet, so it can record a crash, or a final state that never
+    reached it; a line it raises on is handed on to the next holder.
     """
     runs.check_inputs(cfg)
-    with runs.run_lock(cfg, owner) as previous:
-        if previous and on_previous_owner is not None:
-            on_previous_owner(previous)
+    with runs.run_lock(cfg, owner) as earlier:
+        for line in list(earlier) if on_previous_owner is not None else []:
+            try:
+                on_previous_owner(line)
+                earlier.remove(line)  # recorded: not handed on to the next holder
+            except Exception as exc:  # the orchestrator is away: the next holder tries again
+                log(f"could not record how an earlier holder of run '{cfg.run}' ended ({line}): {exc}")
         for stale in runs.remove_stale_temp_files(cfg):
             log(f"removed {stale}, a temporary file left by a killed process")
         runs.pin_config(cfg)
@@ -304,8 +325,8 @@ def run_tracked(
             with scope("report"):
                 report_path = build_report(cfg.artifact_root, cfg.run)
             log(f"report: {report_path}")
-            version = tracking(lambda: publish(cfg, last, report_path))
-            if tracking.away is not None:
+            published = tracking(lambda: publish(cfg, last, report_path))
+            if published is None:
                 missing = f"the metrics of iteration(s) {', '.join(map(str, unlogged))} and " if unlogged else ""
                 raise track.TrackingUnavailable(
                     f"iterations up to {last} of run '{cfg.run}' finished and every artifact is written under "
@@ -313,6 +334,7 @@ def run_tracked(
                     f"policy {'are' if missing else 'is'} not in MLflow yet. When the server is back, "
                     f"`ppo sync --run {cfg.run}` logs them (so does the run's next flow run)"
                 )
+            version, _ = published
             log(f"registered policy of iteration {last} as {version.name} version {version.version}")
         except BaseException as exc:
             tracking(lambda: track.set_status(cfg, "FAILED", f"{type(exc).__name__}: {exc}"))
@@ -338,9 +360,7 @@ def sync(cfg: PPOConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         if not [i for i in done if i > 0]:
             raise ConfigError(f"run '{cfg.run}' has no finished iteration under {cfg.artifact_root} to log")
         track.check_reachable(cfg)
-        logged = log_finished_iterations(cfg)
+        version, logged = publish(cfg, done[-1], build_report(cfg.artifact_root, cfg.run))
         log(f"logged iterations {', '.join(map(str, logged))}" if logged else "every finished iteration was logged already")
-        report_path = build_report(cfg.artifact_root, cfg.run)
-        version = publish(cfg, done[-1], report_path)
         log(f"iteration {done[-1]}'s policy is {version.name} version {version.version}")
     return {"run": cfg.run, "logged_iterations": logged, "registered_model": {"name": version.name, "version": int(version.version)}}

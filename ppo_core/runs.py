@@ -244,9 +244,11 @@ def lock_holder(layout: RunLayout) -> str | None:
 
 
 def _holder(lock_file) -> str:
-    """What the holder of a lock file wrote in it: who it is."""
+    """What the holder of a lock file wrote in it: who it is (its first line)."""
     lock_file.seek(0)
-    return lock_file.read().strip() or "another process"
+    first = lock_file.readline().strip()
+    # a holder that has just taken the lock may not have written its name over its predecessor's yet
+    return first if first and not first.startswith(RELEASED) else "another process"
 
 
 def _busy(cfg: PPOConfig, holder: str) -> RunBusyError:
@@ -270,19 +272,21 @@ def preflight(cfg: PPOConfig) -> None:
 
 
 RELEASED = "released"  # how the line a holder leaves on exit starts: "released (completed): pid N on host H, …"
+CARRIED_MAX = 20  # earlier holders' unrecorded lines kept in the lock, newest first
 
 
 @contextlib.contextmanager
-def run_lock(cfg: PPOConfig, owner: str | None = None) -> Iterator[str]:
+def run_lock(cfg: PPOConfig, owner: str | None = None) -> Iterator[list[str]]:
     """Exclusive lock on a run: two processes never interleave one run's iterations.
 
-    The lock file names its holder (and ``owner``, e.g. a Prefect flow run)
-    while held; on exit the holder leaves ``released (completed): <holder>``
-    or ``released (failed: <why>): <holder>``. The block receives what the
-    previous holder left: empty, such a released line, or the bare name of a
-    holder that died holding the lock. Either way the next holder can tell an
-    orchestrator that never heard how the previous one ended (killed, or its
-    server away when it finished).
+    The lock file's first line names its holder (and ``owner``, e.g. a Prefect
+    flow run) while held; on exit the holder leaves ``released (completed):
+    <holder>`` or ``released (failed: <why>): <holder>`` there. Below it stay
+    the lines of earlier holders that named a flow run whose end no
+    orchestrator has recorded yet: a holder that died holding the lock (its
+    bare name), or one that finished while the orchestrator was away. The block
+    receives those lines, newest first, and removes each one it records; the
+    others are handed on to the next holder.
     """
     path = cfg.layout.lock
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -294,18 +298,18 @@ def run_lock(cfg: PPOConfig, owner: str | None = None) -> Iterator[str]:
         fh.close()
         raise _busy(cfg, holder) from None
     fh.seek(0)
-    previous = fh.read().strip()
+    earlier = [line for line in fh.read().splitlines() if "flow run " in line][:CARRIED_MAX]
     # on a shared filesystem the holder may be on another machine: name it
     me = f"pid {os.getpid()} on host {socket.gethostname()}" + (f", {owner}" if owner else "")
-    _rewrite(fh, me)
+    _rewrite(fh, "\n".join([me, *earlier]))
     outcome = "completed"
     try:
-        yield previous
+        yield earlier
     except BaseException as exc:
         outcome = "failed: " + " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         raise
     finally:
-        _rewrite(fh, f"{RELEASED} ({outcome}): {me}")
+        _rewrite(fh, "\n".join([f"{RELEASED} ({outcome}): {me}", *earlier][: CARRIED_MAX + 1]))
         fcntl.flock(fh, fcntl.LOCK_UN)
         fh.close()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -49,31 +50,48 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BA
 
 
 def check_reachable(cfg: PPOConfig, timeout: float = 5.0) -> None:
-    """Raise ``TrackingUnavailable`` when the tracking URI is a server that does not answer ``/health``."""
-    import urllib.error
-    import urllib.request
+    """Raise ``TrackingUnavailable`` when the tracking URI is a server that does not answer ``/health``.
+
+    Asked the way MLflow's client asks (``requests``, with MLFLOW_TRACKING_INSECURE_TLS,
+    MLFLOW_TRACKING_SERVER_CERT_PATH or REQUESTS_CA_BUNDLE for a server behind a private CA).
+    """
+    import requests
 
     uri = tracking_uri(cfg)
     if not uri.startswith(("http://", "https://")):
         return  # a local store (SQLite file, folder) is as available as the artifact root
+    verify: bool | str = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or True
+    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() == "true":
+        verify = False
     try:
-        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout):
-            return
-    except urllib.error.HTTPError as exc:
-        if exc.code < 500:  # it answers (a proxy may not know /health): available
-            return
-        reason = f"HTTP {exc.code}"
-    except OSError as exc:
-        reason = str(getattr(exc, "reason", None) or exc)
-    raise TrackingUnavailable(f"the MLflow tracking server {shareable_uri(uri)} is unreachable ({reason})")
+        answer = requests.get(f"{uri.rstrip('/')}/health", timeout=timeout, verify=verify)
+    except requests.RequestException as exc:
+        raise TrackingUnavailable(f"the MLflow tracking server {shareable_uri(uri)} is unreachable ({_reason(exc)})") from None
+    if answer.status_code >= 500:  # it answers (a proxy may not know /health, a 4xx): available
+        raise TrackingUnavailable(f"the MLflow tracking server {shareable_uri(uri)} is unreachable (HTTP {answer.status_code})")
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost cause of a connection error ('[Errno 111] Connection refused'), not urllib3's whole chain."""
+    while exc.__context__ is not None and exc.__context__ is not exc:
+        exc = exc.__context__
+    text = str(exc)
+    return text.split(": ", 1)[-1] if "Errno" in text and ": [Errno" in text else text
 
 
 def unavailable(cfg: PPOConfig, exc: BaseException) -> TrackingUnavailable | None:
     """``exc`` as ``TrackingUnavailable`` when it came from a tracking server that is away, else None."""
-    if isinstance(exc, TrackingUnavailable):
-        return exc
+    import requests
     from mlflow.exceptions import MlflowException
 
+    if isinstance(exc, TrackingUnavailable):
+        return exc
+    # MLflow's REST client wraps a failed connection as "API request to <url> failed with exception <e>"
+    if isinstance(exc, (requests.ConnectionError, requests.Timeout)) or (
+        isinstance(exc, MlflowException) and re.match(r"API request to \S+ failed with (timeout )?exception", str(exc))
+    ):
+        return TrackingUnavailable(f"the MLflow tracking server {shareable_uri(tracking_uri(cfg))} is unreachable "
+                                   f"({' '.join(str(exc).split())[-300:]})")
     if not isinstance(exc, (MlflowException, OSError)):
         return None
     try:

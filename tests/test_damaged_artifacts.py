@@ -22,13 +22,14 @@ import struct
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from ppo_core import pipeline, runs
 from ppo_core.config import PPOConfig
 from ppo_core.layout import Checkpoint
+from ppo_core.phase_records import record_digest
 
 TINY = dict(batch_size=6, max_new_tokens=8, score_batch_size=4, ppo_epochs=2, num_minibatches=2, eval_size=4,
             eval_max_new_tokens=6, lora_layers=1)
@@ -158,6 +159,8 @@ def test_a_bit_flipped_anywhere_in_a_phase_record_recomputes_the_same_bytes_or_c
                    (again[name]["outputs"], again[name]["hashes"], again[name]["stats"]), name
         record = json.loads(path.read_text())
         assert record["hashes"] == first[phase]["hashes"] and record["stats"] == first[phase]["stats"]
+        # a damaged record is never reused: whatever is there now is whole (its own digest fits)
+        assert record["record_sha256"] == record_digest(record)
     finally:
         path.write_bytes(good)  # the next example starts from the shared run as it was
 

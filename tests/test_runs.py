@@ -33,16 +33,35 @@ def test_pinned_config_lists_the_changed_fields(tiny_cfg):
 def test_the_lock_names_its_holder_while_held_and_hands_how_it_ended_to_the_next(tiny_cfg):
     cfg = tiny_cfg(run="heir")
     me = f"pid {os.getpid()} on host {socket.gethostname()}"
-    with run_lock(cfg, owner="flow run 1") as previous:
-        assert previous == "" and cfg.layout.lock.read_text() == f"{me}, flow run 1"
+    with run_lock(cfg, owner="flow run 1") as earlier:
+        assert earlier == [] and cfg.layout.lock.read_text() == f"{me}, flow run 1"
     assert cfg.layout.lock.read_text() == f"released (completed): {me}, flow run 1"
-    with pytest.raises(ValueError), run_lock(cfg, owner="flow run 2") as previous:
-        assert previous == f"released (completed): {me}, flow run 1"
+    with pytest.raises(ValueError), run_lock(cfg, owner="flow run 2") as earlier:
+        assert earlier == [f"released (completed): {me}, flow run 1"]
+        earlier.clear()  # recorded by this holder: not handed on
         raise ValueError("bad\nthing")
     assert cfg.layout.lock.read_text() == f"released (failed: ValueError: bad thing): {me}, flow run 2"
     cfg.layout.lock.write_text("pid 4242 on host gone, flow run 3")  # what a killed holder leaves
-    with run_lock(cfg) as previous:
-        assert previous == "pid 4242 on host gone, flow run 3"
+    with run_lock(cfg) as earlier:  # a holder that records nothing (ppo sync, pipeline.run) hands it on
+        assert earlier == ["pid 4242 on host gone, flow run 3"]
+        assert cfg.layout.lock.read_text() == f"{me}\npid 4242 on host gone, flow run 3"
+    with run_lock(cfg, owner="flow run 4") as earlier:
+        assert earlier == ["pid 4242 on host gone, flow run 3"]
+    # the line of a holder without a flow run is not handed on; the unrecorded one still is
+    assert cfg.layout.lock.read_text() == f"released (completed): {me}, flow run 4\npid 4242 on host gone, flow run 3"
+
+
+def test_a_busy_run_names_its_holder_and_not_a_predecessors_release(tiny_cfg):
+    import fcntl
+
+    cfg = tiny_cfg(run="window")
+    cfg.layout.lock.parent.mkdir(parents=True, exist_ok=True)
+    cfg.layout.lock.write_text("released (completed): pid 1 on host h, flow run 0")
+    with open(cfg.layout.lock) as fh:  # a holder that has the lock but has not written its name yet
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        with pytest.raises(RunBusyError, match="being trained by another process"):
+            with run_lock(cfg):
+                pass
 
 
 def test_temporary_files_of_a_killed_process_are_removed_when_the_run_resumes(tiny_cfg):
