@@ -40,7 +40,9 @@ def settle_previous(previous_holder: str, why: str) -> None:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    found = re.search(r"flow run ([0-9a-f-]{36})", previous_holder)
+    released = re.match(rf"{RELEASED} \((?:completed|failed: .*)\): (.*)$", previous_holder)
+    holder = released.group(1) if released else previous_holder  # not a flow run named in a failure's text
+    found = re.search(r"flow run ([0-9a-f-]{36})", holder)
     if found is None:
         return
     with get_client(sync_client=True) as client:
