@@ -124,6 +124,32 @@ def test_a_damaged_checkpoint_is_recomputed_before_the_next_iteration_trains_on(
     assert cfg.layout.completed_iterations() == [0, 1, 2, 3]
 
 
+def test_a_damaged_file_that_recomputes_to_other_bytes_stops_the_run_and_keeps_the_manifest(tiny_cfg, monkeypatch):
+    import dataclasses
+
+    import pyarrow.compute as pc
+
+    from ppo_core import phases, pipeline, runs
+
+    cfg = tiny_cfg()
+    pipeline.run(cfg, 1)
+    table = cfg.layout.table(1, "sa_pairs")
+    table.write_bytes(table.read_bytes()[:-20] + b"\x00" * 20)
+    manifest = cfg.layout.manifest(1).read_bytes()
+    # as if the code had changed since iteration 1 was trained: the phase no longer writes what it wrote then
+    spec = phases.DATA_PHASES["attribute"]
+
+    def changed(cfg, t):
+        out, stats = spec.finish(cfg, t)
+        return out.set_column(out.schema.get_field_index("entropy"), "entropy", pc.add(out["entropy"], 1.0)), stats
+
+    monkeypatch.setitem(phases.DATA_PHASES, "attribute", dataclasses.replace(spec, finish=changed))
+    with pytest.raises(runs.ArtifactIntegrityError, match=r"iter=0001/sa_pairs.parquet .* even after recomputing"):
+        pipeline.run(cfg, 1)
+    assert cfg.layout.manifest(1).read_bytes() == manifest  # what later iterations were trained on stays the record
+    assert cfg.layout.completed_iterations() == [0, 1]
+
+
 def test_a_changed_reward_model_or_reward_code_is_refused_mid_run(tiny_cfg, vowel_reward):
     from ppo_core import pipeline
     from ppo_core.config import ConfigError
