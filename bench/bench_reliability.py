@@ -6,7 +6,7 @@ histories point for point, one registered version, no temporary file, no
 flow run left RUNNING):
 
 - fail points: labels drawn at random from an uninterrupted run's trace
-  (``tests/test_kill_chain.py``'s drawing), several seeds;
+  (``tests/flow_process.draw_kill_points``, as ``tests/test_kill_chain.py`` draws them), several seeds;
 - wall clock: the flow's process group SIGKILLed at a uniformly random moment
   of its life, wherever it is (inside MLflow's SQLite writes, Prefect's client,
   imports), again and again until a start is left to finish.
@@ -29,10 +29,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import ppo_core  # noqa: E402,F401  (OpenBLAS before mlx)
-from flow_process import digest, mlflow_state, run_flow, start_flow, tiny_overrides, unfinished_flow_runs  # noqa: E402
+from flow_process import (  # noqa: E402
+    digest, draw_kill_points, mlflow_state, run_flow, start_flow, tiny_overrides, unfinished_flow_runs,
+)
 from local_servers import free_port, start_prefect_server, stop  # noqa: E402
 from ppo_core.tiny import make_tiny_model  # noqa: E402
-from test_kill_chain import draw_kill_points  # noqa: E402
 
 UNTIL = 2
 
@@ -114,7 +115,7 @@ def main() -> None:
             total += kills
             failures += [f"fail points seed {seed}: {p}" for p in problems]
             print(f"fail points, seed {seed}: {kills} kills, {'survived' if not problems else problems}")
-        timed_total, lives = 0, []
+        timed_total = 0
         seed = 0
         while timed_total < args.timed:
             kills, problems = timed_chain(model, work, api, reference, min(8, args.timed - timed_total), life, 1000 + seed)

@@ -271,7 +271,7 @@ def _alive(pid: int) -> bool:
 
 def crash_orphans(env: dict[str, str], orphans: dict[str, int], log=print) -> list[str]:
     """Mark CRASHED the flow runs in ``orphans`` ({id: pid}, processes our dead worker started, now gone) that
-    Prefect still shows RUNNING; returns their names.
+    Prefect still shows unfinished; returns their names.
 
     A process worker reports a flow run whose process dies. When the worker
     dies with it (a container or machine kill), nobody does: the flow run stays
@@ -279,23 +279,20 @@ def crash_orphans(env: dict[str, str], orphans: dict[str, int], log=print) -> li
     expires (minutes), so the next deployment run waits. Marking it CRASHED
     frees the slot at once; the next flow run of the PPO run resumes it.
     """
-    from uuid import UUID
-
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
     from prefect.states import Crashed
+
+    from tasks.flow_runs import record_final
 
     marked = []
     settings = {PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_API_AUTH_STRING: env.get("PREFECT_API_AUTH_STRING")}
     with temporary_settings(updates=settings), get_client(sync_client=True) as client:
         for run_id, pid in orphans.items():
-            run = client.read_flow_run(UUID(run_id))
-            if run.state is None or not run.state.is_running():
-                continue
             message = f"its process (pid {pid}) is gone: the worker that started it died with it; marked by ppo serve"
-            client.set_flow_run_state(run.id, Crashed(message=message), force=True)
-            log(f"marked flow run {run.name} CRASHED: {message}")
-            marked.append(run.name)
+            if (run := record_final(client, run_id, Crashed(message=message))) is not None:
+                log(f"marked flow run {run.name} CRASHED: {message}")
+                marked.append(run.name)
     return marked
 
 

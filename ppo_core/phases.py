@@ -36,7 +36,7 @@ from ppo_core.config import PPOConfig
 from ppo_core.layout import Checkpoint
 from ppo_core.models import PPO_ADAPTERS, POLICY, VALUE, PolicyValueModel, load_policy_value_model
 from ppo_core.phase_records import Compute, PhaseResult, lookup, run_phase
-from ppo_core.prompts import check_prompt_lengths, load_prompts
+from ppo_core.prompts import check_prompt_lengths, context_length, load_prompts
 from ppo_core.score import TRUNKS
 from ppo_core.rewards import adaptive_kl_coef, make_reward, score_responses, shape_rewards
 from ppo_core.tables import METRICS, SCHEMAS, read_table, write_table
@@ -134,8 +134,7 @@ def _scoring_inputs(
 
 
 def _context_length(model: PolicyValueModel) -> int:
-    n = getattr(model.lm.args, "max_position_embeddings", None)
-    return int(n) if n else int(getattr(model.tokenizer, "model_max_length", 2048))
+    return context_length(getattr(model.lm.args, "max_position_embeddings", None), model.tokenizer)
 
 
 def _flat_lengths(rollouts: pa.Table) -> np.ndarray:

@@ -180,9 +180,8 @@ def run(cfg: PPOConfig, iterations: int, runner: Runner | None = None) -> dict[i
         return {it: run_iteration(cfg, it, runner) for it in range(first, first + iterations)}
 
 
-def manifest_metrics(cfg: PPOConfig, iteration: int) -> dict[str, float]:
-    """``iteration_metrics`` of a finished iteration, read back from its manifest."""
-    manifest = runs.read_manifest(cfg, iteration)
+def manifest_metrics(manifest: dict[str, Any]) -> dict[str, float]:
+    """``iteration_metrics`` of a finished iteration, read back from its manifest (``runs.read_manifest``)."""
     return iteration_metrics([{"phase": phase, **entry} for phase, entry in manifest["phases"].items()])
 
 
@@ -192,7 +191,7 @@ def log_finished_iterations(cfg: PPOConfig) -> list[int]:
     pending = [i for i in cfg.layout.completed_iterations() if i > logged]
     for i in pending:
         manifest = runs.read_manifest(cfg, i)
-        track.log_iteration(cfg, i, manifest_metrics(cfg, i), runs.step_rows(cfg, i), runs.finished_at_ms(cfg, manifest, i))
+        track.log_iteration(cfg, i, manifest_metrics(manifest), runs.step_rows(cfg, i), runs.finished_at_ms(cfg, manifest, i))
     return pending
 
 
@@ -316,7 +315,7 @@ def run_tracked(
                 run_iteration(cfg, iteration, runner)
                 logged = tracking(lambda: log_finished_iterations(cfg)) is not None
                 unlogged = [] if logged else [*unlogged, iteration]
-                done[iteration] = metrics = manifest_metrics(cfg, iteration)
+                done[iteration] = metrics = manifest_metrics(runs.read_manifest(cfg, iteration))
                 log(
                     f"iteration {iteration}: score {metrics.get('reward/score', float('nan')):.3f}  "
                     f"kl {metrics.get('reward/kl', float('nan')):.3f}  "

@@ -155,6 +155,11 @@ def load_prompts(path: Path) -> pl.DataFrame:
     return pl.DataFrame({"prompt_id": ids, "prompt": prompts}, schema={"prompt_id": pl.String, "prompt": pl.String})
 
 
+def context_length(max_position_embeddings: int | None, tokenizer: Any) -> int:
+    """A model's context in tokens: its config's ``max_position_embeddings``, else what its tokenizer says."""
+    return int(max_position_embeddings or getattr(tokenizer, "model_max_length", 2048))
+
+
 def check_prompt_lengths(df: pl.DataFrame, token_counts: list[int], max_new_tokens: int, context: int, path: Path) -> None:
     """Refuse prompts that leave no room for the response inside the model context."""
     too_long = [i for i, n in enumerate(token_counts) if n + max_new_tokens > context]

@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -84,7 +85,7 @@ def check_prompts_fit(cfg: PPOConfig, prompts: pl.DataFrame, eval_prompts: pl.Da
 
     from ppo_core.config import DEFAULT_MODEL
     from ppo_core.models import smollm2_converted_dir
-    from ppo_core.prompts import check_prompt_lengths
+    from ppo_core.prompts import check_prompt_lengths, context_length
 
     model_dir = smollm2_converted_dir(cfg.artifact_root) if cfg.model == DEFAULT_MODEL else Path(cfg.model).expanduser()
     if not (model_dir / "config.json").is_file():
@@ -101,8 +102,8 @@ def check_prompts_fit(cfg: PPOConfig, prompts: pl.DataFrame, eval_prompts: pl.Da
     transformers_logging.set_verbosity_error()  # not its "longer than the maximum" warning: the refusal says it
     try:
         model = SimpleNamespace(tokenizer=load_tokenizer(model_dir))  # what render_prompts reads of a model
-        context = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
-        context = int(context or getattr(model.tokenizer, "model_max_length", 2048))  # as phases._context_length
+        context = context_length(json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings"),
+                                 model.tokenizer)
         counts = [[len(ids) for ids in render_prompts(model, prompts["prompt"].to_list())] for _, prompts, _ in sets]
     except Exception:  # noqa: BLE001  (a broken tokenizer or config: the model load reports it by name)
         return
@@ -216,10 +217,9 @@ def check_pinned(cfg: PPOConfig) -> dict[str, str]:
 
 def damaged_artifacts(cfg: PPOConfig, iteration: int) -> list[str]:
     """Files of finished ``iteration`` (tables, checkpoint, metrics) missing or different from its manifest."""
-    manifest = cfg.layout.manifest(iteration)
-    if not manifest.is_file():
+    if not cfg.layout.manifest(iteration).is_file():
         return []  # an unfinished iteration: its phases verify their own outputs
-    recorded = read_json(manifest, f"the manifest of iteration {iteration}", MANIFEST_KEYS)["artifacts"]
+    recorded = read_manifest(cfg, iteration)["artifacts"]
     run_dir = cfg.layout.run_dir.resolve()
     return [rel for rel, digest in sorted(recorded.items())
             if not (run_dir / rel).is_file() or sha256_file(run_dir / rel) != digest]
@@ -273,6 +273,14 @@ def preflight(cfg: PPOConfig) -> None:
 
 RELEASED = "released"  # how the line a holder leaves on exit starts: "released (completed): pid N on host H, …"
 CARRIED_MAX = 20  # earlier holders' unrecorded lines kept in the lock, newest first
+_RELEASED_LINE = re.compile(rf"{RELEASED} \((completed|failed: (.*))\): (.*)$")
+
+
+def parse_holder_line(line: str) -> tuple[str, str | None]:
+    """(holder, outcome) of a lock file line: outcome ``completed``, ``failed: <why>``, or None for a holder that
+    died holding the lock (its bare name). The holder part names its flow run, if any; a failure's text may not."""
+    released = _RELEASED_LINE.match(line)
+    return (released.group(3), released.group(1)) if released else (line, None)
 
 
 @contextlib.contextmanager

@@ -18,39 +18,45 @@ import re
 from prefect import get_run_logger
 from prefect.states import Completed, Crashed, Failed, State
 
-from ppo_core.runs import RELEASED
+from ppo_core.runs import parse_holder_line
 
 
 def final_state(previous_holder: str, why: str) -> State:
     """The state a flow run named in the lock's ``previous_holder`` line ended in, as the lock tells it."""
-    released = re.match(rf"{RELEASED} \((completed|failed: (.*))\): (.*)$", previous_holder)
-    if released is None:
+    holder, outcome = parse_holder_line(previous_holder)
+    if outcome is None:
         return Crashed(message=f"its process ({previous_holder}) died holding the run's lock; {why}")
-    holder = released.group(3)
     late = f"its process ({holder}) finished while the Prefect server could not be told; {why}"
-    if released.group(1) == "completed":
+    if outcome == "completed":
         return Completed(message=late)
-    return Failed(message=f"{released.group(2)} ({late})")
+    return Failed(message=f"{outcome.removeprefix('failed: ')} ({late})")
+
+
+def record_final(client, flow_run_id: str, state: State):
+    """Set ``state`` on a flow run Prefect still shows unfinished; the flow run, or None when it had ended or is
+    unknown to this server. ``client``: Prefect's sync client."""
+    from uuid import UUID
+
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        run = client.read_flow_run(UUID(flow_run_id))
+    except ObjectNotFound:  # another Prefect server, or deleted
+        return None
+    if run.state is None or run.state.is_final():
+        return None
+    client.set_flow_run_state(run.id, state, force=True)
+    return run
 
 
 def settle_previous(previous_holder: str, why: str) -> None:
     """Record the final state of the flow run named in ``previous_holder``, if Prefect still shows it unfinished."""
-    from uuid import UUID
-
     from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
 
-    released = re.match(rf"{RELEASED} \((?:completed|failed: .*)\): (.*)$", previous_holder)
-    holder = released.group(1) if released else previous_holder  # not a flow run named in a failure's text
-    found = re.search(r"flow run ([0-9a-f-]{36})", holder)
+    found = re.search(r"flow run ([0-9a-f-]{36})", parse_holder_line(previous_holder)[0])
     if found is None:
         return
+    state = final_state(previous_holder, why)
     with get_client(sync_client=True) as client:
-        try:
-            gone = client.read_flow_run(UUID(found.group(1)))
-        except ObjectNotFound:  # another Prefect server, or deleted
-            return
-        if gone.state is not None and not gone.state.is_final():
-            state = final_state(previous_holder, why)
-            client.set_flow_run_state(gone.id, state, force=True)
-            get_run_logger().warning(f"marked {gone.name} {state.type.value}: {state.message}")
+        if (run := record_final(client, found.group(1), state)) is not None:
+            get_run_logger().warning(f"marked {run.name} {state.type.value}: {state.message}")

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 import ppo_core  # noqa: F401  (OpenBLAS before mlx)
+from flow_process import tiny_overrides
+from local_servers import free_port, start_prefect_server, stop
 from ppo_core.config import PPOConfig
 from ppo_core.tiny import make_tiny_model
 from tasks.prefect_env import apply_defaults
@@ -38,22 +40,19 @@ def tiny_cfg(tiny_model_dir, tmp_path):
     """A PPOConfig factory on the tiny model with a fresh artifact root."""
 
     def make(**overrides) -> PPOConfig:
-        base = dict(
-            model=str(tiny_model_dir),
-            artifact_root=tmp_path / "artifacts",
-            batch_size=6,
-            max_new_tokens=8,
-            score_batch_size=4,
-            ppo_epochs=2,
-            num_minibatches=2,
-            eval_size=4,
-            eval_max_new_tokens=6,
-            lora_layers=1,  # the tiny model has 2 layers: one frozen trunk layer, one adapted
-        )
-        base.update(overrides)
-        return PPOConfig(**base)
+        return PPOConfig(**{**tiny_overrides(tiny_model_dir, tmp_path / "artifacts"), **overrides})
 
     return make
+
+
+@pytest.fixture(scope="module")
+def live_prefect_api(tmp_path_factory) -> str:
+    """The URL of a real Prefect server (its own process and SQLite database) for a module's child processes:
+    it outlives every flow run they kill."""
+    port = free_port()
+    server = start_prefect_server(tmp_path_factory.mktemp("prefect-home"), port)
+    yield f"http://127.0.0.1:{port}/api"
+    stop(server)
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 FLOW = (
@@ -20,6 +22,7 @@ CHILD_ONLY = ("PPO_KILL", "PPO_PAUSE", "PPO_FAULT_TRACE", "MLFLOW_TRACKING_URI",
 
 
 def tiny_overrides(model_dir: Path, root: Path) -> dict:
+    """The tests' small run on the tiny model (2 layers: lora_layers=1 keeps one frozen trunk layer), as JSON."""
     return {
         "model": str(model_dir), "artifact_root": str(root), "batch_size": 6, "max_new_tokens": 8,
         "score_batch_size": 4, "ppo_epochs": 2, "num_minibatches": 2, "eval_size": 4,
@@ -105,3 +108,21 @@ def flow_runs(api: str) -> list[dict]:
 def unfinished_flow_runs(api: str) -> list[dict]:
     """Flow runs the Prefect server at ``api`` still shows as scheduled, pending or running."""
     return [r for r in flow_runs(api) if r["state_type"] in ("RUNNING", "PENDING", "SCHEDULED")]
+
+
+def kill_point_kind(label: str) -> str:
+    """What a fail point interrupts: a phase, a manifest, MLflow logging, the registration, the report."""
+    scope_parts = label.split("/")
+    return scope_parts[1] if scope_parts[0].startswith("iter=") else scope_parts[0]
+
+
+def draw_kill_points(trace: list[str], count: int, seed: int) -> list[str]:
+    """``count`` distinct labels of ``trace``: one of every kind first, the rest uniformly; in trace order."""
+    rng = random.Random(seed)
+    by_kind: dict[str, list[str]] = defaultdict(list)
+    for label in trace:
+        by_kind[kill_point_kind(label)].append(label)
+    chosen = {rng.choice(labels) for labels in by_kind.values()}
+    rest = [label for label in trace if label not in chosen]
+    chosen |= set(rng.sample(rest, max(0, min(count - len(chosen), len(rest)))))
+    return [label for label in trace if label in chosen]

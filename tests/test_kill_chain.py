@@ -14,15 +14,12 @@ flow run left RUNNING.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import time
-from collections import defaultdict
 
 import pytest
 
-from flow_process import digest, mlflow_state, run_flow, tiny_overrides, unfinished_flow_runs
-from local_servers import free_port, start_prefect_server, stop
+from flow_process import digest, draw_kill_points, kill_point_kind, mlflow_state, run_flow, tiny_overrides, unfinished_flow_runs
 
 pytestmark = pytest.mark.slow
 SEED = int(os.environ.get("PPO_KILL_SEED", "20261124"))
@@ -30,47 +27,20 @@ KILLS = int(os.environ.get("PPO_KILL_POINTS", "22"))
 UNTIL = 2
 
 
-@pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
-    """A real Prefect server (its own process and SQLite database), outliving every killed flow run."""
-    port = free_port()
-    server = start_prefect_server(tmp_path_factory.mktemp("prefect-home"), port)
-    yield f"http://127.0.0.1:{port}/api"
-    stop(server)
-
-
-def _kind(label: str) -> str:
-    """What a fail point interrupts: a phase, a manifest, MLflow logging, the registration, the report."""
-    scope_parts = label.split("/")
-    return scope_parts[1] if scope_parts[0].startswith("iter=") else scope_parts[0]
-
-
-def draw_kill_points(trace: list[str], count: int, seed: int) -> list[str]:
-    """``count`` distinct labels of ``trace``: one of every kind first, the rest uniformly; in trace order."""
-    rng = random.Random(seed)
-    by_kind: dict[str, list[str]] = defaultdict(list)
-    for label in trace:
-        by_kind[_kind(label)].append(label)
-    chosen = {rng.choice(labels) for labels in by_kind.values()}
-    rest = [label for label in trace if label not in chosen]
-    chosen |= set(rng.sample(rest, max(0, min(count - len(chosen), len(rest)))))
-    return [label for label in trace if label in chosen]
-
-
-def test_twenty_random_kills_through_prefect_and_mlflow_leave_the_uninterrupted_run(prefect_api, tiny_model_dir, tmp_path):
+def test_twenty_random_kills_through_prefect_and_mlflow_leave_the_uninterrupted_run(live_prefect_api, tiny_model_dir, tmp_path):
     ref_root, root = tmp_path / "uninterrupted", tmp_path / "killed"
 
     def flow(root, name: str, **env) -> int:
         trace = tmp_path / f"{name}.trace"
         return run_flow("chain", UNTIL, tiny_overrides(tiny_model_dir, root), tmp_path / f"{name}.log",
-                        PREFECT_API_URL=prefect_api, PPO_FAULT_TRACE=str(trace), **env)
+                        PREFECT_API_URL=live_prefect_api, PPO_FAULT_TRACE=str(trace), **env)
 
     t0 = time.monotonic()
     assert flow(ref_root, "reference") == 0
     one_run = time.monotonic() - t0
     trace = (tmp_path / "reference.trace").read_text().split()
     assert len(trace) == len(set(trace)), "fail point labels of one run must be unique"
-    kinds = {_kind(label) for label in trace}
+    kinds = {kill_point_kind(label) for label in trace}
     assert {"init", "rollout", "attribute", "reward", "value", "advantage", "train", "evaluate", "manifest", "mlflow",
             "registry", "report", "finish", "start"} <= kinds, kinds
 
@@ -98,4 +68,4 @@ def test_twenty_random_kills_through_prefect_and_mlflow_leave_the_uninterrupted_
     assert got["metrics"] == want["metrics"]
     assert len(got["versions"]) == 1 and got["versions"] == want["versions"]
     assert got["status"] == "FINISHED" and got["params"] == want["params"] > 0
-    assert unfinished_flow_runs(prefect_api) == [], "a killed flow run was left RUNNING"
+    assert unfinished_flow_runs(live_prefect_api) == [], "a killed flow run was left RUNNING"

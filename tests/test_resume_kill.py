@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from flow_process import digest, tiny_overrides
 
 # runs until iteration argv[2] is complete: a resumed process finishes the interrupted one first
 RUNNER = (
@@ -32,26 +32,12 @@ def _run(cfg: dict, kill_at: str | None = None) -> int:
     return proc.returncode
 
 
-def _digest(run_dir: Path) -> dict[str, str]:
-    # under final names only: a kill between writing and renaming leaves a ".<name>.<random>.tmp" file behind
-    files = sorted(p for p in run_dir.rglob("*") if p.suffix in (".parquet", ".safetensors") and not p.name.startswith("."))
-    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")
-    cfg = _config(tiny_model_dir, root)
+    cfg = tiny_overrides(tiny_model_dir, root)
     assert _run(cfg) == 0
-    return cfg, _digest(root / "run=default")
-
-
-def _config(model_dir: Path, root: Path) -> dict:
-    return {
-        "model": str(model_dir), "artifact_root": str(root), "batch_size": 6, "max_new_tokens": 8,
-        "score_batch_size": 4, "ppo_epochs": 2, "num_minibatches": 2, "eval_size": 4,
-        "eval_max_new_tokens": 6, "lora_layers": 1,
-    }
+    return cfg, digest(root / "run=default")
 
 
 @pytest.mark.parametrize(
@@ -66,15 +52,15 @@ def _config(model_dir: Path, root: Path) -> dict:
 )
 def test_killed_run_resumes_to_identical_bytes(kill_at, reference, tiny_model_dir, tmp_path):
     ref_cfg, ref_digest = reference
-    cfg = _config(tiny_model_dir, tmp_path)
+    cfg = tiny_overrides(tiny_model_dir, tmp_path)
     assert _run(cfg, kill_at) == -signal.SIGKILL, "the fail point was never reached"
-    partial = _digest(tmp_path / "run=default")
+    partial = digest(tmp_path / "run=default")
     finished = {p: p.stat().st_mtime_ns for p in (tmp_path / "run=default").rglob("phases/*.json") if not p.name.startswith(".")}
     assert partial != ref_digest  # it really died before the end
     # no half-written file under a final name: everything present matches the reference bytes
     assert all(ref_digest.get(name) == h for name, h in partial.items())
     assert _run(cfg) == 0
-    assert _digest(tmp_path / "run=default") == ref_digest
+    assert digest(tmp_path / "run=default") == ref_digest
     assert not list((tmp_path / "run=default").rglob(".*.tmp*"))  # what the killed process left was cleaned up
     # the resumed process recomputed nothing that had finished: those phase records are untouched
     assert all(p.stat().st_mtime_ns == t for p, t in finished.items())

@@ -66,7 +66,7 @@ def test_a_killed_worker_and_a_killed_server_are_started_again_and_the_run_recov
     env, serve = served
     home, pause = Path(env["PREFECT_HOME"]), Path(env["PPO_PAUSE_FILE"])
     cfg = tiny_cfg(run="recover")
-    params = {"run": "recover", "until": 2, "overrides": {k: v for k, v in tiny_overrides(Path(cfg.model), cfg.artifact_root).items()}}
+    params = {"run": "recover", "until": 2, "overrides": tiny_overrides(Path(cfg.model), cfg.artifact_root)}
 
     # 1. the worker dies with the flow run it started (a container or machine kill), during iteration 1's training
     _submit(env, params)

@@ -29,23 +29,10 @@ BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
-def prefect_home(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("prefect-home")
-
-
-@pytest.fixture(scope="module")
-def prefect_api(prefect_home):
-    port = free_port()
-    server = start_prefect_server(prefect_home, port)
-    yield {"url": f"http://127.0.0.1:{port}/api", "port": port, "server": server}
-    stop(server)
-
-
-@pytest.fixture(scope="module")
-def reference(prefect_api, tiny_model_dir, tmp_path_factory):
+def reference(live_prefect_api, tiny_model_dir, tmp_path_factory):
     """The run uninterrupted, tracked in the embedded store: its bytes and its MLflow history."""
     root = tmp_path_factory.mktemp("reference")
-    assert run_flow("away", UNTIL, tiny_overrides(tiny_model_dir, root), root / "flow.log", PREFECT_API_URL=prefect_api["url"]) == 0
+    assert run_flow("away", UNTIL, tiny_overrides(tiny_model_dir, root), root / "flow.log", PREFECT_API_URL=live_prefect_api) == 0
     return digest(root / "run=away"), mlflow_state("away", root)
 
 
@@ -54,11 +41,11 @@ def _mlflow(tmp_path: Path):
     return store, port, f"http://127.0.0.1:{port}"
 
 
-def test_mlflow_server_away_until_the_end_then_ppo_sync_logs_everything(prefect_api, reference, tiny_model_dir, tmp_path):
+def test_mlflow_server_away_until_the_end_then_ppo_sync_logs_everything(live_prefect_api, reference, tiny_model_dir, tmp_path):
     store, port, uri = _mlflow(tmp_path)
     server = start_mlflow_server(store, port)
     root, pause, log = tmp_path / "artifacts", tmp_path / "pause", tmp_path / "flow.log"
-    flow = start_flow("away", UNTIL, tiny_overrides(tiny_model_dir, root), log, PREFECT_API_URL=prefect_api["url"],
+    flow = start_flow("away", UNTIL, tiny_overrides(tiny_model_dir, root), log, PREFECT_API_URL=live_prefect_api,
                       MLFLOW_TRACKING_URI=uri, PPO_PAUSE_AT="iter=0002/rollout/generate.step#1", PPO_PAUSE_FILE=str(pause))
     wait_paused(pause, flow, log)
     stop(server)  # iteration 1 is logged; the server goes away during iteration 2's rollout
@@ -66,7 +53,7 @@ def test_mlflow_server_away_until_the_end_then_ppo_sync_logs_everything(prefect_
     assert flow.wait(timeout=900) != 0
     output = log.read_text()
     assert "is unreachable" in output and "training goes on" in output
-    assert f"`ppo sync --run away` logs them" in output, output[-3000:]
+    assert "`ppo sync --run away` logs them" in output, output[-3000:]
     # training went on: every table and adapter of iterations 2 and 3 is there, byte for byte
     ref_digest, ref_mlflow = reference
     assert digest(root / "run=away") == ref_digest
@@ -84,11 +71,11 @@ def test_mlflow_server_away_until_the_end_then_ppo_sync_logs_everything(prefect_
     assert state["versions"] == ref_mlflow["versions"] and state["status"] == "FINISHED"
 
 
-def test_mlflow_server_back_mid_run_catches_up_in_the_same_flow_run(prefect_api, reference, tiny_model_dir, tmp_path):
+def test_mlflow_server_back_mid_run_catches_up_in_the_same_flow_run(live_prefect_api, reference, tiny_model_dir, tmp_path):
     store, port, uri = _mlflow(tmp_path)
     server = start_mlflow_server(store, port)
     root, pause, log = tmp_path / "artifacts", tmp_path / "pause", tmp_path / "flow.log"
-    flow = start_flow("away", UNTIL, tiny_overrides(tiny_model_dir, root), log, PREFECT_API_URL=prefect_api["url"],
+    flow = start_flow("away", UNTIL, tiny_overrides(tiny_model_dir, root), log, PREFECT_API_URL=live_prefect_api,
                       MLFLOW_TRACKING_URI=uri, PPO_PAUSE_FILE=str(pause),
                       PPO_PAUSE_AT="iter=0002/rollout/generate.step#1,report/table.write:report.html#1")
     wait_paused(pause, flow, log)
