@@ -36,7 +36,7 @@ from ppo_core.faults import failpoint
 from ppo_core.losses import policy_loss, value_loss
 from ppo_core.models import PPO_ADAPTERS, POLICY, VALUE, PolicyValueModel
 from ppo_core.score import TRUNKS, Batch, flat_hidden, flat_to_grid, make_batch, token_values, trunk_activations
-from ppo_core.vocab_head import head_stats
+from ppo_core.vocab_head import token_stats
 from ppo_core.tables import atomic_path
 
 
@@ -176,63 +176,36 @@ class PPOStep:
     ):
         self.model, self.settings, self.optimizers, self.group = model, settings, optimizers, group
         self.params = {a: _slash(model.trainable(a)) for a in settings.adapters}
-        self._value_grad = mx.value_and_grad(self._value_objective)
+        self._value_and_grad = {
+            POLICY: mx.value_and_grad(self._policy_objective),
+            VALUE: mx.value_and_grad(self._value_objective),
+        }
 
-    def _policy_gradient(self, params, mb: Minibatch) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
-        """The policy loss's statistics and its gradient in the adapter, in two passes over the top layers.
-
-        The vocabulary head runs in NumPy (``ppo_core.vocab_head``), outside
-        MLX's autograd: a first pass without gradients gives the hidden
-        states, the head gives each token's logprob (and entropy) with the
-        rows its gradient needs, the loss's gradient in those is mapped onto
-        the hidden states, and ``mx.vjp`` takes that back through the top
-        layers. Evaluating NumPy inside a gradient trace instead would keep
-        every intermediate array of the forward pass alive until the trace
-        ends (about 2 MB per token here), and run MLX's fused kernels unfused.
-        """
+    def _policy_objective(self, params, mb: Minibatch):
+        """The PPO-clip loss of the policy adapter; the vocabulary head's gradient is ``token_stats``'s own VJP."""
         s, model, batch = self.settings, self.model, mb.batch
         model.assign(_dot(params))
         h = flat_hidden(model, batch, POLICY, mb.trunk)
-        mx.eval(h)
         with_entropy = s.entropy_coef > 0  # entropy is a training signal only with a bonus; attribute reports it
-        head = head_stats(model, h, batch.flat_targets, s.temperature, entropy=with_entropy, moments=True)
-        logprob = flat_to_grid(mx.array(head.logprob), batch)
-
-        def objective(lp: mx.array, ent: mx.array | None):
-            return policy_loss(lp, mb.old_logprob, mb.advantage, batch.mask, s.clip_range, ent, s.entropy_coef, mb.denominator)
-
-        cells = batch.flat_cells
-        if with_entropy:
-            (_, stats), (d_lp, d_ent) = mx.value_and_grad(objective, argnums=(0, 1))(logprob, flat_to_grid(mx.array(head.entropy), batch))
-        else:
-            (_, stats), d_lp = mx.value_and_grad(lambda lp: objective(lp, None))(logprob)
-        # d logprob / d h = (W[target] - E) / T;  d entropy / d h = -G / T  (ppo_core.vocab_head)
-        d_h = d_lp.reshape(-1)[cells][:, None] * (model.head_weight[mx.array(batch.flat_targets)] - head.expected_row)
-        if with_entropy:
-            d_h = d_h - d_ent.reshape(-1)[cells][:, None] * head.entropy_row
-        d_h = (d_h / s.temperature).astype(h.dtype)
-        names = sorted(params)
-
-        def hidden_of(*arrays: mx.array) -> mx.array:
-            model.assign(_dot(dict(zip(names, arrays))))
-            return flat_hidden(model, batch, POLICY, mb.trunk)
-
-        _, grads = mx.vjp(hidden_of, [params[k] for k in names], [d_h])
-        return stats, dict(zip(names, grads))
+        logprob, entropy = token_stats(model, h, batch.flat_targets, s.temperature, entropy=with_entropy)
+        return policy_loss(
+            flat_to_grid(logprob, batch), mb.old_logprob, mb.advantage, batch.mask, s.clip_range,
+            flat_to_grid(entropy, batch) if with_entropy else None, s.entropy_coef, mb.denominator,
+        )
 
     def _value_objective(self, params, mb: Minibatch):
         self.model.assign(_dot(params))
         v = token_values(self.model, mb.batch, VALUE, mb.trunk)
         return value_loss(v, mb.old_value, mb.returns, mb.batch.mask, self.settings.value_clip_range, mb.denominator)
 
-    def _value_gradient(self, params, mb: Minibatch) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
-        (_, stats), grads = self._value_grad(params, mb)
+    def gradient(self, adapter: str, mb: Minibatch) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+        """``adapter``'s loss statistics and gradient on ``mb`` (this rank's share, before any all_sum)."""
+        (_, stats), grads = self._value_and_grad[adapter](self.params[adapter], mb)
         return stats, grads
 
     def _update(self, adapter: str, loss_name: str, mb: Minibatch) -> tuple[dict[str, mx.array], mx.array]:
         """One clipped-gradient step of ``adapter``; fails loudly on non-finite numbers."""
-        gradient = self._policy_gradient if adapter == POLICY else self._value_gradient
-        stats, grads = gradient(self.params[adapter], mb)
+        stats, grads = self.gradient(adapter, mb)
         if self.group is not None:  # this rank's share of the minibatch's means: the sums are the minibatch's
             grads, stats = all_sum_tree(grads, self.group), all_sum_tree(stats, self.group)
         grads, norm = optim.clip_grad_norm(grads, self.settings.max_grad_norm)

@@ -1,7 +1,7 @@
-"""The chunked NumPy vocabulary head against MLX's own log-softmax and autograd.
+"""The chunked vocabulary head against MLX's own log-softmax and autograd.
 
-Scoring (``flat_logprobs``) and training (``PPOStep``'s two-pass gradient)
-must give the logprobs, entropies and gradients that the plain MLX
+Scoring (``flat_logprobs``, NumPy statistics) and training (``PPOStep``'s
+gradient through ``token_stats``'s custom VJP) must give the logprobs, entropies and gradients that the plain MLX
 expression gives, at several temperatures, with chunks smaller than the batch,
 for a tied and an untied head.
 """
@@ -64,7 +64,7 @@ def test_scoring_matches_mlx_log_softmax(model, temperature, monkeypatch):
 
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
 def test_training_gradient_matches_mlx_autograd(model, entropy_coef, monkeypatch):
-    """PPOStep's policy gradient (NumPy head, two passes, mx.vjp) against MLX's autograd of the plain expression."""
+    """PPOStep's policy gradient (chunked head with its own VJP) against MLX's autograd of the plain expression."""
     monkeypatch.setattr(vocab_head, "CHUNK_ROWS", 7)
     batch = _batch(model, seed=1)
     trunk = model.trunk(batch.tokens)
@@ -76,7 +76,7 @@ def test_training_gradient_matches_mlx_autograd(model, entropy_coef, monkeypatch
     step = PPOStep(model, settings, {POLICY: make_optimizer(1e-3)})
     zeros = mx.zeros(batch.mask.shape)
     mb = Minibatch(batch, trunk, old, adv, zeros, zeros, "test")
-    stats, ours = step._policy_gradient(step.params[POLICY], mb)
+    stats, ours = step.gradient(POLICY, mb)
 
     def reference(p):
         model.assign(_dot(p))
