@@ -39,6 +39,45 @@ def row_seeds(key: str, rows) -> list[int]:
     return [int.from_bytes(hashlib.sha256(f"{key}:{int(r)}".encode()).digest()[:4], "little") & 0x7FFFFFFF for r in rows]
 
 
+class _Positions:
+    """Each row's position for the next token: one array object for every layer, advanced once per forward pass.
+
+    So ``ppo_core.rope.SharedRoPE`` computes each step's rotation once, not once per layer and projection.
+    """
+
+    def __init__(self, left_padding: list[int]):
+        self.offset = mx.array([-p for p in left_padding])
+
+    def advance(self, n: int) -> None:
+        self.offset = self.offset + n
+
+
+class DecodeCache(BatchKVCache):
+    """One layer's KV cache over left-padded rows, allocated once for the whole sample (mlx_lm's grows in 256-step blocks)."""
+
+    def __init__(self, left_padding: list[int], positions: _Positions, capacity: int):
+        self.left_padding = mx.array(left_padding)
+        self.keys = self.values = None
+        self._idx, self._right_padding = 0, None
+        self._positions, self._capacity = positions, capacity
+
+    @property
+    def offset(self) -> mx.array:
+        return self._positions.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            B, heads, _, _ = keys.shape
+            self.keys = mx.zeros((B, heads, self._capacity, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((B, heads, self._capacity, values.shape[3]), values.dtype)
+        prev, self._idx = self._idx, self._idx + keys.shape[2]
+        if self._idx > self._capacity:
+            raise ValueError(f"decode cache of {self._capacity} positions overflows at {self._idx}")
+        self.keys[..., prev : self._idx, :] = keys
+        self.values[..., prev : self._idx, :] = values
+        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+
+
 _split_rows = mx.vmap(mx.random.split)
 
 
@@ -85,7 +124,8 @@ def generate(
     max_len = max(lengths)
     left_pad = [max_len - n for n in lengths]
     tokens = mx.array([[model.pad_token_id] * pad + p for pad, p in zip(left_pad, prompt_ids)], dtype=mx.int32)
-    cache = [BatchKVCache(left_pad) for _ in model.backbone.layers]
+    positions = _Positions(left_pad)
+    cache = [DecodeCache(left_pad, positions, max_len + max_new_tokens) for _ in model.backbone.layers]
     eos = np.array(model.eos_token_ids)
     # one key per row, split per step on device: no row's draw depends on another's
     keys = mx.stack([mx.random.key(s) for s in (seeds if seeds is not None else range(B))])
@@ -96,6 +136,7 @@ def generate(
     x = tokens
     for step in range(max_new_tokens):
         h = model.hidden(x, adapter, cache=cache)[:, -1, :]
+        positions.advance(x.shape[1])
         logits = model.logits_from_hidden(h).astype(mx.float32)  # sampling logprobs in float32 on any model dtype
         uniforms = None
         if temperature != 0:

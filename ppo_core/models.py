@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ppo_core.activations import swap_mlps, use_fast_activations
 from ppo_core.attention import use_fast_attention
+from ppo_core.rope import share_rope
 from ppo_core.config import DEFAULT_MODEL, PPOConfig
 from ppo_core.convert import CONVERTER_VERSION, convert_gguf
 from ppo_core.layout import converted_model_dir
@@ -385,6 +386,7 @@ def _load(model_dir: Path, cfg: PPOConfig) -> PolicyValueModel:
     if use_fast_activations():  # before the LoRA injection, which adapts the swapped MLPs' projections
         swap_mlps(lm.model.layers)
         use_fast_attention(sys.modules[type(lm).__module__])
+        share_rope(lm.model.layers)
     switch = AdapterSwitch()
     n_frozen = max(0, len(lm.model.layers) - cfg.lora_layers)
     if _inject_lora(lm.model, n_frozen, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, switch) == 0:
