@@ -12,6 +12,7 @@ from mlx_lm.models.cache import BatchKVCache
 from ppo_core import progress
 from ppo_core.faults import failpoint
 from ppo_core.models import PolicyValueModel
+from ppo_core.rope import share_rotation
 
 
 @dataclass
@@ -46,14 +47,19 @@ class _Positions:
     """
 
     def __init__(self, left_padding: list[int]):
-        self.offset = mx.array([-p for p in left_padding])
+        self.offset = share_rotation(mx.array([-p for p in left_padding]))
 
     def advance(self, n: int) -> None:
-        self.offset = self.offset + n
+        self.offset = share_rotation(self.offset + n)  # a new array: the previous step's is never changed
 
 
 class DecodeCache(BatchKVCache):
-    """One layer's KV cache over left-padded rows, allocated once for the whole sample (mlx_lm's grows in 256-step blocks)."""
+    """One layer's KV cache over left-padded rows, allocated once for the whole sample (mlx_lm's grows in 256-step blocks).
+
+    For ``generate`` only: it supports what a forward pass calls
+    (``offset``, ``update_and_fetch``, ``make_mask``); mlx-lm's methods that
+    move positions (``trim``, ``filter``, ``extend``, a ``state`` set) are refused.
+    """
 
     def __init__(self, left_padding: list[int], positions: _Positions, capacity: int):
         self.left_padding = mx.array(left_padding)
@@ -64,6 +70,10 @@ class DecodeCache(BatchKVCache):
     @property
     def offset(self) -> mx.array:
         return self._positions.offset
+
+    @offset.setter
+    def offset(self, value: mx.array) -> None:
+        raise NotImplementedError("DecodeCache positions advance once per forward pass (_Positions.advance), never per layer")
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.keys is None:

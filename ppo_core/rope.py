@@ -4,18 +4,22 @@ MLX has no CPU kernel for ``mx.fast.rope``: each call composes about fifteen
 operations (positions, inverse frequencies, cosines, sines, the rotation).
 While sampling, every layer rotates its queries and its keys at the same
 positions: 60 calls per step for SmolLM2's 30 layers, ~65 µs each at batch 16
-here, most of it the same cosines and sines again. ``SharedRoPE`` keeps the
-rotation of the last few offset arrays (``ppo_core.generate`` hands every
-layer the same array object per step) and applies it with the operations
-MLX's own composition uses, in its order: the results are bit-identical
-(tests/test_rope.py). Integer offsets (scoring, training) and the traditional
-layout go to ``mx.fast.rope`` unchanged.
+here, most of it the same cosines and sines again. ``SharedRoPE`` applies the
+rotation with the operations MLX's own composition uses, in its order, so the
+results are bit-identical (tests/test_rope.py), and computes it once for an
+offset array that was handed to ``share_rotation``: ``ppo_core.generate``
+registers each step's positions, one array object that every layer receives
+and nobody changes in place (an MLX array can be: ``+=`` keeps the object, so
+only registered arrays are remembered). Other array offsets are rotated
+without remembering; integer offsets (scoring, training) and the
+traditional layout go to ``mx.fast.rope`` unchanged.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import math
 from collections import OrderedDict
 
@@ -23,17 +27,32 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-_KEPT = 4  # rotations remembered: one step's, with room for another generation interleaved
+_KEPT = 4  # offsets and rotations remembered: one step's, with room for another generation interleaved
+_SHARED: OrderedDict[int, mx.array] = OrderedDict()  # id -> the registered offset array (kept alive: ids stay unique)
+
+
+def share_rotation(offset: mx.array) -> mx.array:
+    """Register ``offset`` (never to be changed in place) so that every ``SharedRoPE`` rotates by it once; returns it."""
+    _SHARED[id(offset)] = offset
+    while len(_SHARED) > _KEPT:
+        _SHARED.popitem(last=False)
+    return offset
+
+
+@functools.cache
+def _libm_logf():
+    try:
+        libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+        libm.logf.restype, libm.logf.argtypes = ctypes.c_float, [ctypes.c_float]
+        return libm.logf
+    except (OSError, AttributeError):
+        return None
 
 
 def _logf(x: float) -> np.float32:
     """``std::log(float)`` as MLX's C++ takes it (glibc's ``logf``), for the same inverse frequencies to the bit."""
-    try:
-        libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
-        libm.logf.restype, libm.logf.argtypes = ctypes.c_float, [ctypes.c_float]
-        return np.float32(libm.logf(x))
-    except (OSError, AttributeError):
-        return np.float32(math.log(np.float32(x)))
+    logf = _libm_logf()
+    return np.float32(logf(x)) if logf is not None else np.float32(math.log(np.float32(x)))
 
 
 class SharedRoPE(nn.Module):
@@ -49,17 +68,19 @@ class SharedRoPE(nn.Module):
         self._log_step = np.float32(_logf(self.base) / np.float32(half))
 
     def _rotation(self, offset: mx.array, length: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        shared = _SHARED.get(id(offset)) is offset
         key = (id(offset), length, self.dims, self.base, self.scale, dtype)
-        hit = self._rotations.get(key)
+        hit = self._rotations.get(key) if shared else None
         if hit is not None and hit[0] is offset:
             return hit[1], hit[2]
         positions = (mx.arange(length, dtype=mx.float32) + offset.reshape(-1, 1, 1)) * mx.array(self.scale, mx.float32)
         inv_freqs = mx.exp(mx.arange(0, -(self.dims // 2), -1, dtype=mx.float32) * mx.array(self._log_step))
         theta = positions[..., None] * inv_freqs
         cos, sin = mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
-        self._rotations[key] = (offset, cos, sin)
-        while len(self._rotations) > _KEPT:
-            self._rotations.popitem(last=False)
+        if shared:
+            self._rotations[key] = (offset, cos, sin)
+            while len(self._rotations) > _KEPT:
+                self._rotations.popitem(last=False)
         return cos, sin
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:

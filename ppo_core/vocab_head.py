@@ -88,6 +88,16 @@ def _probabilities(e: mx.array, shifted: mx.array, s: mx.array) -> tuple[mx.arra
     return p, p * shifted
 
 
+def _fast_exp_here() -> bool:
+    device = mx.default_device()
+    if device not in _FAST:
+        _FAST[device] = use_fast_activations()
+    return _FAST[device]
+
+
+_FAST: dict = {}  # device -> whether the vectorised exp is used there (asked once per device)
+
+
 def _stats_chunk(h: mx.array, weight: mx.array, targets: mx.array, inv_t: mx.array, entropy: bool, fast: bool) -> mx.array:
     """One chunk's ``[logprob, E]`` (or ``[logprob, E, entropy, G]``) side by side, (n, 1 + H) or (n, 2 + 2H).
 
@@ -95,6 +105,8 @@ def _stats_chunk(h: mx.array, weight: mx.array, targets: mx.array, inv_t: mx.arr
     chunk at once: its logits are freed before the next chunk's are made.
     """
     logits = (h @ weight.T).astype(mx.float32)
+    # times 1/T and fast_exp, where scoring divides and takes NumPy's exp: the logprobs agree to
+    # float rounding (a ratio of 1 +- 1e-6 before the first step), not to the bit
     top = logits.max(axis=1, keepdims=True) * inv_t  # max(l) / T = max(l / T): rounding is monotonic
     shifted, e = _SHIFTED_EXP[fast](logits, inv_t, top)
     s = e.sum(axis=1, keepdims=True)
@@ -117,7 +129,7 @@ def token_stats(
     hidden = weight.shape[1]
     index = mx.array(np.asarray(targets, dtype=np.int32))
     inv_t = mx.array(1.0 / temperature, dtype=mx.float32)
-    fast = use_fast_activations()  # the vectorised exp on the CPU, MLX's own elsewhere
+    fast = _fast_exp_here()  # the vectorised exp on the CPU, MLX's own elsewhere
 
     @mx.custom_function
     def packed_stats(x: mx.array) -> mx.array:

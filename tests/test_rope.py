@@ -11,7 +11,7 @@ from mlx_lm.models.cache import BatchKVCache
 from ppo_core.config import PPOConfig
 from ppo_core.generate import DecodeCache, _Positions
 from ppo_core.models import POLICY, ModelCache
-from ppo_core.rope import SharedRoPE
+from ppo_core.rope import SharedRoPE, share_rotation
 from ppo_core.tiny import make_tiny_model
 
 
@@ -23,8 +23,10 @@ def test_shared_rope_is_bit_identical_to_mlx(dims, head_dim, base, scale):
     for batch, heads, length in [(16, 9, 1), (4, 3, 7), (64, 9, 1)]:
         x = mx.array(rng.normal(size=(batch, heads, length, head_dim)).astype(np.float32))
         offset = mx.array(rng.integers(-40, 4000, batch).astype(np.int32))
-        assert mx.array_equal(shared(x, offset=offset), rope(x, offset=offset))
-        assert mx.array_equal(shared(x, offset=offset), rope(x, offset=offset))  # the remembered rotation too
+        assert mx.array_equal(shared(x, offset=offset), rope(x, offset=offset))  # not registered: not remembered
+        share_rotation(offset)
+        for _ in range(2):  # computed, then remembered
+            assert mx.array_equal(shared(x, offset=offset), rope(x, offset=offset))
         assert mx.array_equal(shared(x, offset=5), rope(x, offset=5))  # integer offsets go to mx.fast.rope
 
 

@@ -92,6 +92,19 @@ def test_training_gradient_matches_mlx_autograd(model, entropy_coef, monkeypatch
         np.testing.assert_allclose(np.array(ours[k]), np.array(ref[k]), atol=1e-4 * scale, err_msg=k)
 
 
+@pytest.mark.parametrize("entropy", [False, True])
+def test_token_stats_of_no_tokens_and_its_gradient(model, entropy):
+    h = mx.zeros((0, model.head_weight.shape[1]))
+
+    def total(x):
+        lp, ent = vocab_head.token_stats(model, x, np.zeros(0, np.int32), 1.0, entropy=entropy)
+        assert lp.shape == (0,) and (ent is None) == (not entropy)
+        return lp.sum() + (ent.sum() if entropy else 0.0)
+
+    value, grad = mx.value_and_grad(total)(h)
+    assert value.item() == 0.0 and grad.shape == h.shape
+
+
 def test_padding_cells_are_zero(model):
     batch = _batch(model, seed=3)
     lp, ent = token_logprobs(model, batch, POLICY, 1.0, None, True)
