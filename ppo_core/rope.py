@@ -27,13 +27,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-_KEPT = 4  # offsets and rotations remembered: one step's, with room for another generation interleaved
-_SHARED: OrderedDict[int, mx.array] = OrderedDict()  # id -> the registered offset array (kept alive: ids stay unique)
+_KEPT = 4  # offsets remembered: one step's, with room for another generation interleaved
+# id -> (the registered offset array, kept alive so ids stay unique; its rotations by (length, dims, base, scale, dtype))
+_SHARED: OrderedDict[int, tuple[mx.array, dict]] = OrderedDict()
 
 
 def share_rotation(offset: mx.array) -> mx.array:
     """Register ``offset`` (never to be changed in place) so that every ``SharedRoPE`` rotates by it once; returns it."""
-    _SHARED[id(offset)] = offset
+    _SHARED[id(offset)] = (offset, {})
     while len(_SHARED) > _KEPT:
         _SHARED.popitem(last=False)
     return offset
@@ -58,8 +59,6 @@ def _logf(x: float) -> np.float32:
 class SharedRoPE(nn.Module):
     """``nn.RoPE`` (non-traditional) whose cosines and sines for an offset array are computed once and shared."""
 
-    _rotations: OrderedDict = OrderedDict()  # (id(offset), length, dims, base, scale, dtype) -> (offset, cos, sin)
-
     def __init__(self, rope: nn.RoPE):
         super().__init__()
         self.dims, self.traditional, self.base, self.scale = rope.dims, rope.traditional, rope.base, rope.scale
@@ -68,19 +67,17 @@ class SharedRoPE(nn.Module):
         self._log_step = np.float32(_logf(self.base) / np.float32(half))
 
     def _rotation(self, offset: mx.array, length: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-        shared = _SHARED.get(id(offset)) is offset
-        key = (id(offset), length, self.dims, self.base, self.scale, dtype)
-        hit = self._rotations.get(key) if shared else None
-        if hit is not None and hit[0] is offset:
-            return hit[1], hit[2]
+        registered = _SHARED.get(id(offset))  # the entry holds its array: no other one has that id meanwhile
+        remembered = registered[1] if registered is not None else None
+        key = (length, self.dims, self.base, self.scale, dtype)
+        if remembered is not None and key in remembered:
+            return remembered[key]
         positions = (mx.arange(length, dtype=mx.float32) + offset.reshape(-1, 1, 1)) * mx.array(self.scale, mx.float32)
         inv_freqs = mx.exp(mx.arange(0, -(self.dims // 2), -1, dtype=mx.float32) * mx.array(self._log_step))
         theta = positions[..., None] * inv_freqs
         cos, sin = mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
-        if shared:
-            self._rotations[key] = (offset, cos, sin)
-            while len(self._rotations) > _KEPT:
-                self._rotations.popitem(last=False)
+        if remembered is not None:
+            remembered[key] = (cos, sin)
         return cos, sin
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:

@@ -152,7 +152,11 @@ def ensure_run(cfg: PPOConfig) -> str:
 
 def last_logged_iteration(cfg: PPOConfig) -> int:
     """The last iteration whose metrics the MLflow run holds (-1: none yet)."""
-    logged = client(cfg).get_run(ensure_run(cfg)).data.tags.get("last_iteration")
+    return _last_logged(client(cfg), ensure_run(cfg))
+
+
+def _last_logged(mlf, run_id: str) -> int:
+    logged = mlf.get_run(run_id).data.tags.get("last_iteration")
     return int(logged) if logged is not None else -1
 
 
@@ -170,8 +174,7 @@ def log_iteration(
     layout = cfg.layout
     mlf = client(cfg)
     run_id = ensure_run(cfg)
-    logged = mlf.get_run(run_id).data.tags.get("last_iteration")
-    if logged is not None and int(logged) >= iteration:
+    if _last_logged(mlf, run_id) >= iteration:
         return  # a resumed run re-finalising an iteration must not duplicate its steps
     with scope(f"{iter_label(iteration)}/mlflow"):
         batch = [Metric(k, float(v), timestamp_ms, iteration) for k, v in metrics.items()]

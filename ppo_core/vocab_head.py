@@ -8,8 +8,9 @@ positions of real response tokens are computed. Two implementations:
   the softmax statistics in NumPy. MLX's CPU element-wise ``exp`` is scalar
   (about 17 ns per element here, NumPy's vectorised one about 1.2 ns).
 - ``token_stats`` (training): the same statistics as MLX operations (the
-  exponential is ``ppo_core.activations.fast_exp``, fused by ``mx.compile``),
-  so they sit in the gradient's graph and a policy step is one forward and one
+  exponential is ``ppo_core.activations.fast_exp``; ``mx.compile`` does not
+  fuse it inside a gradient trace, so there it runs op by op), so they sit in
+  the gradient's graph and a policy step is one forward and one
   backward pass of the adapted layers. Its custom VJP keeps no logits: the
   forward also computes the softmax-weighted sums of the head's rows that the
   gradient needs,
@@ -98,13 +99,14 @@ def _fast_exp_here() -> bool:
 _FAST: dict = {}  # device -> whether the vectorised exp is used there (asked once per device)
 
 
-def _stats_chunk(h: mx.array, weight: mx.array, targets: mx.array, inv_t: mx.array, entropy: bool, fast: bool) -> mx.array:
+def _stats_chunk(model, h: mx.array, targets: mx.array, inv_t: mx.array, entropy: bool, fast: bool) -> mx.array:
     """One chunk's ``[logprob, E]`` (or ``[logprob, E, entropy, G]``) side by side, (n, 1 + H) or (n, 2 + 2H).
 
     Packed in one array so that evaluating any column computes the whole
     chunk at once: its logits are freed before the next chunk's are made.
     """
-    logits = (h @ weight.T).astype(mx.float32)
+    weight = model.head_weight
+    logits = model.logits_from_hidden(h).astype(mx.float32)
     # times 1/T and fast_exp, where scoring divides and takes NumPy's exp: the logprobs agree to
     # float rounding (a ratio of 1 +- 1e-6 before the first step), not to the bit
     top = logits.max(axis=1, keepdims=True) * inv_t  # max(l) / T = max(l / T): rounding is monotonic
@@ -134,7 +136,7 @@ def token_stats(
     @mx.custom_function
     def packed_stats(x: mx.array) -> mx.array:
         parts = [
-            _stats_chunk(x[lo : lo + CHUNK_ROWS], weight, index[lo : lo + CHUNK_ROWS], inv_t, entropy, fast)
+            _stats_chunk(model, x[lo : lo + CHUNK_ROWS], index[lo : lo + CHUNK_ROWS], inv_t, entropy, fast)
             for lo in range(0, x.shape[0], CHUNK_ROWS)
         ]
         width = 2 + 2 * hidden if entropy else 1 + hidden
